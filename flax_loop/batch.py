@@ -1,0 +1,198 @@
+r"""Batch forms accepted by the loops, their normalization and validation.
+
+A data stream yields batches in any of these forms, as tuples or lists (a
+PyTorch `DataLoader` yields lists):
+
+- `(x, y)`
+- `((x, ...), (y, ...))`
+- `((x, ...), ())` — no targets
+
+Normalized, a batch is `((x, ...), (y, ...))`: inputs go to
+`apply(variables, *inputs)`, targets to `loss(*outputs, *targets)`. Leaves
+become numpy arrays (JAX arrays are kept as they are), with 64-bit types
+narrowed as JAX narrows them unless `jax_enable_x64` is set.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import jax
+import numpy as np
+
+from flax_loop.errors import BatchError
+
+Leaf = Union[np.ndarray, jax.Array]
+Inputs = tuple[Leaf, ...]
+Targets = tuple[Leaf, ...]
+Batch = tuple[Inputs, Targets]
+UnnormalizedInputs = Any
+UnnormalizedBatch = Any
+DataStream = Union[Iterator[UnnormalizedBatch], Iterable[UnnormalizedBatch]]
+
+
+def _is_array_like(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _as_leaf(value: Any, where: str) -> Leaf:
+    if isinstance(value, jax.Array):
+        return value
+    if isinstance(value, (dict, set, str, bytes)) or value is None:
+        raise BatchError(
+            f"{where} is a {type(value).__name__} ({_preview(value)}); "
+            "expected an array (numpy, JAX, or anything np.asarray accepts)."
+        )
+    try:
+        array = np.asarray(value)
+    except Exception as error:  # np.asarray raises many types
+        raise BatchError(
+            f"{where} of type {type(value).__name__} cannot be converted "
+            f"to an array: {error}."
+        ) from error
+    if array.dtype == object:
+        raise BatchError(
+            f"{where} ({_preview(value)}) converts to an object array; "
+            "expected numbers of one shape (a ragged list?)."
+        )
+    canonical = jax.dtypes.canonicalize_dtype(array.dtype)
+    return array if array.dtype == canonical else array.astype(canonical)
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def normalize_group(group: Any, where: str) -> tuple[Leaf, ...]:
+    r"""Normalizes inputs or targets into a tuple of array leaves.
+
+    A tuple is always a group of arrays; a list is a group when each of its
+    items is an array (as a `DataLoader` yields), otherwise it is one array.
+
+    Args:
+        group: an array, or a tuple or list of arrays.
+        where: how to name the group in an error message.
+
+    Returns:
+        a tuple of numpy or JAX arrays.
+    """
+    if isinstance(group, tuple) or (
+        isinstance(group, list) and group and all(map(_is_array_like, group))
+    ):
+        return tuple(_as_leaf(item, f"{where}[{i}]") for i, item in enumerate(group))
+    return (_as_leaf(group, where),)
+
+
+def normalize_batch(batch: UnnormalizedBatch) -> Batch:
+    r"""Converts a batch to its normalized form `((x, ...), (y, ...))`.
+
+    Args:
+        batch: a batch in one of the accepted forms.
+
+    Returns:
+        the normalized batch.
+
+    Raises:
+        BatchError: if the batch is not a pair of inputs and targets.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        kind = (
+            f"a {type(batch).__name__} of length {len(batch)}"
+            if isinstance(batch, (tuple, list))
+            else f"a {type(batch).__name__}"
+        )
+        raise BatchError(
+            f"A batch must be a pair (inputs, targets), such as (x, y), "
+            f"((x, ...), (y, ...)) or ((x, ...), ()); got {kind}: "
+            f"{_preview(batch)}."
+        )
+    inputs = normalize_group(batch[0], "inputs")
+    if not inputs:
+        raise BatchError("A batch has no inputs: got an empty inputs group ().")
+    targets = normalize_group(batch[1], "targets") if _has_items(batch[1]) else ()
+    return inputs, targets
+
+
+def _has_items(group: Any) -> bool:
+    return not (isinstance(group, (tuple, list)) and len(group) == 0)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    r"""The shapes and dtypes every batch of a stream must keep.
+
+    >>> spec = BatchSpec.of(normalize_batch((np.zeros((8, 3)), np.zeros(8))))
+    >>> spec.validate(normalize_batch((np.zeros((8, 3)), np.zeros(8))))
+    """
+
+    inputs: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    r"""shape and dtype of each input."""
+
+    targets: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    r"""shape and dtype of each target."""
+
+    @classmethod
+    def of(cls, batch: Batch) -> "BatchSpec":
+        r"""Takes the spec of a normalized batch."""
+        inputs, targets = batch
+        return cls(
+            inputs=tuple((tuple(x.shape), np.dtype(x.dtype)) for x in inputs),
+            targets=tuple((tuple(y.shape), np.dtype(y.dtype)) for y in targets),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        r"""the size of the leading axis shared by every array."""
+        return self.inputs[0][0][0]
+
+    def describe(self) -> str:
+        r"""Renders the spec as `inputs (8, 3) float32; targets (8,) int32`."""
+
+        def group(specs: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> str:
+            return ", ".join(f"{shape} {dtype}" for shape, dtype in specs) or "()"
+
+        return f"inputs {group(self.inputs)}; targets {group(self.targets)}"
+
+    def check_batch_axis(self, n_shards: int, step: Optional[int] = None) -> None:
+        r"""Checks that every array has the same leading axis, divisible into shards.
+
+        Raises:
+            BatchError: if an array is a scalar, leading axes differ, or the
+                batch size does not divide by `n_shards`.
+        """
+        at = "" if step is None else f" at step {step}"
+        for shape, _ in self.inputs + self.targets:
+            if not shape:
+                raise BatchError(
+                    f"A batch{at} holds a scalar; every array needs a leading "
+                    f"batch axis. Got {self.describe()}."
+                )
+        sizes = {shape[0] for shape, _ in self.inputs + self.targets}
+        if len(sizes) != 1:
+            raise BatchError(
+                f"The arrays of a batch{at} have different leading (batch) "
+                f"sizes {sorted(sizes)}: {self.describe()}."
+            )
+        size = sizes.pop()
+        if size == 0 or size % n_shards:
+            raise BatchError(
+                f"A batch{at} of size {size} does not split evenly across "
+                f"{n_shards} devices ({self.describe()}); use a batch size "
+                f"that is a positive multiple of {n_shards}."
+            )
+
+    def validate(self, batch: Batch, step: Optional[int] = None) -> None:
+        r"""Checks that a batch has exactly this spec.
+
+        Raises:
+            BatchError: naming both the expected and the received shapes.
+        """
+        received = BatchSpec.of(batch)
+        if received != self:
+            at = "" if step is None else f" at step {step}"
+            raise BatchError(
+                f"The batch{at} differs from the first batch of the stream: "
+                f"expected {self.describe()}, got {received.describe()}. "
+                "Every batch must keep the first batch's shapes and dtypes "
+                "(drop or pad a smaller last batch)."
+            )

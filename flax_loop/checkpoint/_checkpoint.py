@@ -1,0 +1,73 @@
+r"""The training state handed to the caller, and the same with metrics."""
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import jax
+
+Metrics = Mapping[str, Any]
+r"""Metric values by name, e.g. `{"accuracy": 0.97}`."""
+
+
+@dataclass
+class Checkpoint:
+    r"""The training state at a step, as a `TrainLoop` yields it.
+
+    Arrays are global JAX arrays without a device axis: use them as they are
+    (`model.apply({"params": checkpoint.model_params}, x)`). They are copies,
+    so they stay valid after the loop moves on.
+
+    >>> for checkpoint in loop:
+    ...     print(checkpoint.step, float(checkpoint.mean_loss))
+    """
+
+    model_params: Any
+    r"""parameters of the model at the checkpoint."""
+
+    model_state: Any
+    r"""the model's other collections at the checkpoint (e.g. `batch_stats`)."""
+
+    optimizer_state: Any
+    r"""a state of the optimizer at the checkpoint."""
+
+    grads: Any
+    r"""gradients of the last step, averaged over the devices."""
+
+    loss: Any
+    r"""the loss of the last step (a scalar array; `float()` reads it)."""
+
+    n_completed_steps: int
+    r"""a number of steps completed between the previous checkpoint and this one."""
+
+    elapsed_time: float
+    r"""seconds of completed device work for those steps (compilation excluded)."""
+
+    step: int
+    r"""the step number at which this checkpoint occurred."""
+
+    mean_loss: Any = field(default=None, kw_only=True)
+    r"""the mean loss over the interval's steps (non-finite losses left out)."""
+
+    n_nonfinite_steps: int = field(default=0, kw_only=True)
+    r"""steps of the interval whose loss or gradient was not finite."""
+
+    preempted: bool = field(default=False, kw_only=True)
+    r"""whether the loop stopped here because the process was asked to stop."""
+
+    rnkey: Optional[jax.Array] = field(default=None, kw_only=True, repr=False)
+    r"""the run's key, kept so a checkpoint file resumes the same random stream."""
+
+    data_state: Any = field(default=None, kw_only=True, repr=False)
+    r"""the data iterator's `get_state()` at this step, when it has one."""
+
+
+@dataclass
+class Summary(Checkpoint):
+    r"""A checkpoint with metrics grouped by kind, e.g. `{"train": ..., "eval": ...}`.
+
+    >>> summary = eval_loop(checkpoint)
+    >>> summary.metrics["eval"]["accuracy"]
+    """
+
+    metrics: Mapping[str, Metrics]
+    r"""metric groups (such as "train" and "eval") mapping names to values."""

@@ -1,0 +1,260 @@
+r"""The checkpoint file format: msgpack metadata, raw arrays, checksums.
+
+A file is laid out as::
+
+    b"FLAXLOOP" | version: u32 | array bytes ... | footer | footer size: u64
+                | footer crc32: u32 | b"POOLXALF"
+
+The footer is a msgpack map: the format name and version, the step, the
+metrics, the run's key, the data iterator's state, and a tree whose array
+leaves are references (msgpack extension type 1) into a table of
+`{dtype, shape, offset, nbytes, crc32}` entries. Arrays are written one at a
+time, so writing holds at most one array's host copy beyond the state, and
+nothing in a file is ever executed when it is read.
+"""
+
+import os
+import struct
+import zlib
+from typing import Any, BinaryIO, Callable, Iterator
+
+import jax
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from flax_loop.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
+
+FORMAT_NAME = "flax_loop.checkpoint"
+FORMAT_VERSION = 1
+MAGIC = b"FLAXLOOP"
+END_MAGIC = b"POOLXALF"
+_HEAD = struct.Struct("<8sI")
+_TAIL = struct.Struct("<QI8s")
+_ARRAY_REF = 1
+_CHUNK = 16 << 20
+
+_DTYPES = {
+    name: np.dtype(name)
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+        "uint64", "float16", "float32", "float64", "complex64", "complex128",
+    )
+}
+_DTYPES.update(
+    bfloat16=np.dtype(ml_dtypes.bfloat16),
+    float8_e4m3fn=np.dtype(ml_dtypes.float8_e4m3fn),
+    float8_e5m2=np.dtype(ml_dtypes.float8_e5m2),
+)
+
+
+def _host_leaf(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        leaf = leaf.addressable_data(0)
+    array = np.asarray(leaf)
+    if array.dtype.name not in _DTYPES:
+        raise CheckpointError(
+            f"Cannot write an array of dtype {array.dtype} to a checkpoint file; "
+            f"supported dtypes are {sorted(_DTYPES)}."
+        )
+    return np.ascontiguousarray(array)
+
+
+def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
+    r"""Writes `tree` (nested dicts and lists of arrays) and `meta` to a stream.
+
+    Args:
+        stream: a binary file opened for writing, positioned at its start.
+        tree: nested dicts/lists whose leaves are arrays or numbers.
+        meta: msgpack-able metadata (step, metrics, ...).
+    """
+    stream.write(_HEAD.pack(MAGIC, FORMAT_VERSION))
+    table: list[dict[str, Any]] = []
+    offset = _HEAD.size
+
+    def store(leaf: Any) -> msgpack.ExtType:
+        nonlocal offset
+        array = _host_leaf(leaf)
+        view = memoryview(array.reshape(-1).view(np.uint8))
+        checksum = 0
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start : start + _CHUNK]
+            stream.write(chunk)
+            checksum = zlib.crc32(chunk, checksum)
+        table.append(
+            {
+                "dtype": array.dtype.name,
+                "shape": list(array.shape),
+                "offset": offset,
+                "nbytes": array.nbytes,
+                "crc32": checksum,
+            }
+        )
+        offset += array.nbytes
+        return msgpack.ExtType(_ARRAY_REF, struct.pack("<I", len(table) - 1))
+
+    encoded = _map_leaves(tree, store)
+    footer = msgpack.packb(
+        {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "arrays": table,
+            "tree": encoded,
+            **meta,
+        },
+        use_bin_type=True,
+    )
+    stream.write(footer)
+    stream.write(_TAIL.pack(len(footer), zlib.crc32(footer), END_MAGIC))
+
+
+def _map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(tree, dict):
+        for key in tree:
+            if not isinstance(key, str):
+                raise CheckpointError(
+                    f"Checkpoint trees need string keys; got key {key!r}."
+                )
+        return {key: _map_leaves(value, fn) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_map_leaves(value, fn) for value in tree]
+    if tree is None:
+        return None
+    return fn(tree)
+
+
+def read(path: str) -> tuple[Any, dict[str, Any]]:
+    r"""Reads a checkpoint file, verifying every checksum.
+
+    Returns:
+        the tree (arrays as numpy) and the footer's metadata.
+
+    Raises:
+        CheckpointCorruptError: for a truncated or damaged file.
+        CheckpointVersionError: for a file of a newer format version.
+    """
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if size < _HEAD.size + _TAIL.size:
+            raise CheckpointCorruptError(
+                f"{path} is truncated: {size} bytes, shorter than any checkpoint file."
+            )
+        magic, version = _HEAD.unpack(stream.read(_HEAD.size))
+        if magic != MAGIC:
+            raise CheckpointCorruptError(
+                f"{path} is not a flax_loop checkpoint file (header {magic!r})."
+            )
+        if version > FORMAT_VERSION:
+            raise CheckpointVersionError(
+                f"{path} has format version {version}; this flax_loop reads "
+                f"versions up to {FORMAT_VERSION}. Upgrade flax_loop to read it."
+            )
+        stream.seek(size - _TAIL.size)
+        footer_size, footer_crc, end = _TAIL.unpack(stream.read(_TAIL.size))
+        data_end = size - _TAIL.size - footer_size
+        if end != END_MAGIC or footer_size > size - _HEAD.size - _TAIL.size:
+            raise CheckpointCorruptError(
+                f"{path} is truncated or damaged: its end marker or footer size is "
+                "wrong (was the write interrupted?)."
+            )
+        stream.seek(data_end)
+        footer_bytes = stream.read(footer_size)
+        if zlib.crc32(footer_bytes) != footer_crc:
+            raise CheckpointCorruptError(f"{path} is damaged: footer checksum mismatch.")
+        footer = _unpack_footer(path, footer_bytes)
+        if footer.get("format") != FORMAT_NAME or footer.get("version") != version:
+            raise CheckpointCorruptError(
+                f"{path} has an inconsistent header: format {footer.get('format')!r} "
+                f"version {footer.get('version')!r} against header version {version}."
+            )
+        arrays = [
+            _read_array(stream, path, i, entry, data_end)
+            for i, entry in enumerate(_entries(path, footer))
+        ]
+
+    def resolve(code: int, data: bytes) -> Any:
+        return arrays[_array_index(path, code, data, len(arrays))]
+
+    tree = _resolve(footer.get("tree"), resolve)
+    meta = {k: v for k, v in footer.items() if k not in ("tree", "arrays")}
+    return tree, meta
+
+
+def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:
+    try:
+        footer = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_buffer_size=len(data)
+        )
+    except Exception as error:  # msgpack raises several types on bad data
+        raise CheckpointCorruptError(
+            f"{path} is damaged: its metadata cannot be decoded ({error})."
+        ) from error
+    if not isinstance(footer, dict):
+        raise CheckpointCorruptError(f"{path} is damaged: metadata is not a map.")
+    return footer
+
+
+def _entries(path: str, footer: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    table = footer.get("arrays")
+    if not isinstance(table, list):
+        raise CheckpointCorruptError(f"{path} is damaged: no array table.")
+    for entry in table:
+        if not isinstance(entry, dict):
+            raise CheckpointCorruptError(f"{path} is damaged: bad array entry.")
+        yield entry
+
+
+def _read_array(
+    stream: BinaryIO, path: str, index: int, entry: dict[str, Any], data_end: int
+) -> np.ndarray:
+    dtype = _DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+    shape = entry.get("shape")
+    offset, nbytes, checksum = entry.get("offset"), entry.get("nbytes"), entry.get("crc32")
+    ints = (offset, nbytes, checksum)
+    if (
+        dtype is None
+        or not isinstance(shape, list)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in ints)
+    ):
+        raise CheckpointCorruptError(
+            f"{path} is damaged: array {index} has an invalid description {entry!r}."
+        )
+    expected = dtype.itemsize * int(np.prod(shape, dtype=object))
+    if nbytes != expected or offset < _HEAD.size or offset + nbytes > data_end:
+        raise CheckpointCorruptError(
+            f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) claims "
+            f"{nbytes} bytes at offset {offset}, outside the file's data."
+        )
+    array = np.empty(shape, dtype)
+    stream.seek(offset)
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    if stream.readinto(view) != nbytes:  # type: ignore[attr-defined]
+        raise CheckpointCorruptError(f"{path} is truncated inside array {index}.")
+    if zlib.crc32(view) != checksum:
+        raise CheckpointCorruptError(
+            f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) fails its "
+            "checksum."
+        )
+    return array
+
+
+def _array_index(path: str, code: int, data: bytes, n_arrays: int) -> int:
+    if code != _ARRAY_REF or len(data) != 4:
+        raise CheckpointCorruptError(f"{path} is damaged: unknown tree element.")
+    (index,) = struct.unpack("<I", data)
+    if index >= n_arrays:
+        raise CheckpointCorruptError(
+            f"{path} is damaged: reference to array {index} of {n_arrays}."
+        )
+    return index  # type: ignore[no-any-return]
+
+
+def _resolve(tree: Any, resolve: Callable[[int, bytes], Any]) -> Any:
+    if isinstance(tree, msgpack.ExtType):
+        return resolve(tree.code, tree.data)
+    if isinstance(tree, dict):
+        return {key: _resolve(value, resolve) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_resolve(value, resolve) for value in tree]
+    return tree

@@ -1,0 +1,116 @@
+r"""Writing checkpoints to files, keeping the newest `keep` of them."""
+
+import os
+from dataclasses import dataclass
+from typing import Any, Union
+
+from flax_loop import console
+from flax_loop.checkpoint import _file
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
+from flax_loop.checkpoint._file import REGULAR_PREFIX, CheckpointFile
+from flax_loop.errors import CheckpointError, ConfigError
+
+
+@dataclass
+class CheckpointFileWriter:
+    r"""A writer of checkpoint files; returns what it is given, so it chains.
+
+    >>> writer = CheckpointFileWriter(output_dir="ckpts", keep=2)
+    >>> for checkpoint in loop:
+    ...     writer(checkpoint)
+
+    Writes are atomic (a crash leaves the previous files intact); older files
+    beyond `keep` are removed only once the new one is in place. With several
+    processes, process 0 writes.
+    """
+
+    output_dir: str
+    r"""a directory path for checkpoint files."""
+
+    keep: int = 1
+    r"""the number of newest checkpoint files to keep."""
+
+    overwrite: bool = True
+    r"""whether a checkpoint may replace files of the same or a later step
+    (left by an earlier run); if not, such a file is an error."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"keep must be an integer >= 1; got {self.keep!r}.")
+        if not isinstance(self.output_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"output_dir must be a path; got {type(self.output_dir).__name__}."
+            )
+        self.output_dir = os.fspath(self.output_dir)
+        self._cleaned = False
+
+    def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
+        r"""Writes a checkpoint (or a summary, with its metrics) and returns it."""
+        return self.write(checkpoint)
+
+    def _prefix(self) -> str:
+        return REGULAR_PREFIX
+
+    def write(
+        self, checkpoint: Union[Checkpoint, Summary], prefix: Union[str, None] = None
+    ) -> Union[Checkpoint, Summary]:
+        r"""Writes `checkpoint` under `prefix` and prunes older files.
+
+        Raises:
+            ConfigError: if `checkpoint` is not a `Checkpoint` or `Summary`.
+            CheckpointError: if the file cannot be written; the files already
+                in the directory are left intact.
+        """
+        if not isinstance(checkpoint, Checkpoint):
+            raise ConfigError(
+                f"Cannot write to {self.output_dir!r}: expected a Checkpoint or "
+                f"Summary; got {type(checkpoint).__name__}."
+            )
+        if not console.is_main_process():
+            return checkpoint
+        prefix = prefix or self._prefix()
+        if not self._cleaned:
+            _file.clean_temporary(self.output_dir, prefix)
+            self._cleaned = True
+        existing = _file.list_steps(self.output_dir, prefix)
+        later = [path for step, path in existing if step >= checkpoint.step]
+        if later and not self.overwrite:
+            raise CheckpointError(
+                f"{later[0]} is at step {checkpoint.step} or later; pass "
+                "overwrite=True to replace it, or write to another output_dir."
+            )
+        file = to_file(checkpoint)
+        try:
+            written = _file.save(self.output_dir, prefix, file)
+        except CheckpointError:
+            raise
+        except OSError as error:
+            raise CheckpointError(
+                f"Writing the checkpoint of step {checkpoint.step} to "
+                f"{self.output_dir!r} failed: {error}. The files already there "
+                "are intact."
+            ) from error
+        self._prune(prefix, written, checkpoint.step)
+        return checkpoint
+
+    def _prune(self, prefix: str, written: str, step: int) -> None:
+        newest_first = _file.list_steps(self.output_dir, prefix)
+        stale = [path for s, path in newest_first if s > step]
+        kept = [path for s, path in newest_first if s <= step]
+        for path in stale + kept[self.keep :]:
+            if path != written:
+                _file._remove_quietly(path)
+
+
+def to_file(checkpoint: Checkpoint) -> CheckpointFile:
+    r"""The part of a checkpoint (or summary) that goes into a file."""
+    metrics: Any = checkpoint.metrics if isinstance(checkpoint, Summary) else {}
+    return CheckpointFile(
+        model_params=checkpoint.model_params,
+        model_state=checkpoint.model_state,
+        optimizer_state=checkpoint.optimizer_state,
+        step=checkpoint.step,
+        metrics=metrics,
+        rnkey=checkpoint.rnkey,
+        data_state=checkpoint.data_state,
+    )

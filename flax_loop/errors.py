@@ -1,0 +1,58 @@
+r"""The exception types of flax_loop.
+
+Every error says what was wrong, quoting the offending value, and what to do.
+Each type also derives from the built-in exception a Python user would expect
+(`ValueError`, `TypeError`, `OSError`), so existing handlers keep working.
+"""
+
+
+class FlaxLoopError(Exception):
+    r"""The base class of every error raised by flax_loop."""
+
+
+class ConfigError(FlaxLoopError, ValueError):
+    r"""An argument of a loop, task, reader or writer is invalid."""
+
+
+class BatchError(FlaxLoopError, ValueError):
+    r"""A batch from the data stream has the wrong form, shape or dtype."""
+
+
+class DataExhaustedError(FlaxLoopError, ValueError):
+    r"""The data stream ended before any step of the requested interval ran."""
+
+
+class InitError(FlaxLoopError, RuntimeError):
+    r"""The model's `init` function failed or returned something unusable."""
+
+
+class LossError(FlaxLoopError, TypeError):
+    r"""The loss function returned something other than a floating scalar."""
+
+
+class NonFiniteError(FlaxLoopError, FloatingPointError):
+    r"""A loss or gradient became NaN or infinite during training."""
+
+
+class CheckpointError(FlaxLoopError, OSError):
+    r"""A checkpoint file or directory cannot be read or written."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    r"""A checkpoint file is truncated or damaged; it was not loaded."""
+
+
+class CheckpointVersionError(CheckpointError):
+    r"""A checkpoint file was written by a newer format than this reader knows."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    r"""A checkpoint file holds another model (different tree or shapes)."""
+
+
+class MetricError(FlaxLoopError, KeyError):
+    r"""A metric named by a reader or writer is missing from a summary."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its message; show it as written.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,120 @@
+r"""The device mesh: replicated state, sharded batches, one host or many.
+
+Everything the user receives is a global `jax.Array` without a device axis:
+replicated state is laid out with `PartitionSpec()`, batches are split along
+their first axis with `PartitionSpec("data")`.
+"""
+
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_loop.errors import ConfigError
+
+DATA_AXIS = "data"
+r"""The name of the mesh axis the batch is split along."""
+
+# On the CPU backend a queue of steps that run a cross-device collective aborts
+# the process after 40 s ("Expected 4 threads to join the rendezvous"): the
+# devices share 2 cores and starve each other's rendezvous. Waiting for step
+# k - 2 before dispatching step k avoids it at no measured cost (DESIGN.md).
+CPU_COLLECTIVE_DISPATCH_DEPTH = 2
+# Elsewhere the bound only keeps queued batches from piling up in memory.
+DEFAULT_DISPATCH_DEPTH = 16
+
+
+class Placement:
+    r"""Where a loop's arrays live: a 1-D mesh over its devices.
+
+    >>> placement = Placement(jax.devices())
+    >>> state = placement.replicate(state)          # same value on every device
+    >>> batch = placement.shard_batch(batch)        # first axis split across them
+    """
+
+    def __init__(self, devices: Optional[Sequence[Any]] = None) -> None:
+        if devices is None:
+            devices = jax.devices()
+        devices = list(devices)
+        if not devices:
+            raise ConfigError(
+                "devices is empty; pass None to use every device, or a "
+                "non-empty list such as jax.devices()[:2]."
+            )
+        for device in devices:
+            if not isinstance(device, jax.Device):
+                raise ConfigError(
+                    f"devices must hold jax.Device objects (from jax.devices()); "
+                    f"got {device!r} of type {type(device).__name__}."
+                )
+        if len(set(devices)) != len(devices):
+            raise ConfigError(f"devices lists a device twice: {devices}.")
+        self.devices = devices
+        self.mesh = Mesh(np.array(devices), (DATA_AXIS,))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
+        process = jax.process_index()
+        self.local_devices = [d for d in devices if d.process_index == process]
+        self.multiprocess = len(self.local_devices) != len(devices)
+
+    @property
+    def n_devices(self) -> int:
+        r"""the number of devices in the mesh, over every process."""
+        return len(self.devices)
+
+    @property
+    def n_local_devices(self) -> int:
+        r"""the number of devices in the mesh attached to this process."""
+        return len(self.local_devices)
+
+    @property
+    def dispatch_depth(self) -> int:
+        r"""how many steps may be queued on the devices at once."""
+        on_cpu = self.devices[0].platform == "cpu"
+        if on_cpu and self.n_devices > 1:
+            return CPU_COLLECTIVE_DISPATCH_DEPTH
+        return DEFAULT_DISPATCH_DEPTH
+
+    def replicate(self, tree: Any) -> Any:
+        r"""Places a pytree of host or device arrays on every device."""
+        if not self.multiprocess:
+            return jax.device_put(tree, self.replicated)
+
+        def place(leaf: Any) -> jax.Array:
+            host = np.asarray(leaf)
+            return jax.make_array_from_callback(
+                host.shape, self.replicated, lambda index: host[index]
+            )
+
+        return jax.tree.map(place, tree)
+
+    def copy(self, tree: Any) -> Any:
+        r"""Fresh device copies of a pytree of arrays, kept in their layout.
+
+        A checkpoint holds such copies, so they stay valid after the loop
+        donates its own buffers to the next step.
+        """
+        return jax.device_put(tree, may_alias=False)
+
+    def shard_batch(self, tree: Any) -> Any:
+        r"""Splits the process-local batch along its first axis over the mesh."""
+        if not self.multiprocess:
+            return jax.device_put(tree, self.batch_sharding)
+        return jax.tree.map(
+            lambda leaf: jax.make_array_from_process_local_data(
+                self.batch_sharding, leaf
+            ),
+            tree,
+        )
+
+
+def to_host(tree: Any) -> Any:
+    r"""Numpy copies of a pytree of replicated or single-device arrays."""
+
+    def fetch(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(leaf.addressable_data(0))
+        return np.asarray(leaf)
+
+    return jax.tree.map(fetch, tree)

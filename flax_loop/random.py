@@ -1,0 +1,123 @@
+r"""Random keys: the run's key, and keys derived from it on the device.
+
+A loop holds one typed key. Each step derives its keys from that key, the
+step number and the device index, inside the compiled update, so the host
+never splits keys per step and a resumed run draws the same numbers as one
+that never stopped.
+"""
+
+from typing import Any, Iterator, Mapping, Sequence, Union
+
+import jax
+import numpy as np
+
+from flax_loop.errors import ConfigError
+
+KeyGenerator = Iterator[jax.Array]
+
+
+def as_typed_key(key: Any) -> jax.Array:
+    r"""Returns a typed key for a typed key or a legacy `uint32[2]` key.
+
+    Args:
+        key: `jax.random.key(seed)` or `jax.random.PRNGKey(seed)`.
+
+    Raises:
+        ConfigError: if `key` is neither.
+    """
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if getattr(key, "shape", None) != ():
+            raise ConfigError(
+                f"rnkey must be a single key; got a key array of shape {key.shape}."
+            )
+        return key  # type: ignore[no-any-return]
+    if dtype is not None and np.dtype(dtype) == np.uint32 and np.shape(key) == (2,):
+        return jax.random.wrap_key_data(key)
+    raise ConfigError(
+        f"rnkey must be jax.random.key(seed) or jax.random.PRNGKey(seed); "
+        f"got {type(key).__name__} {getattr(key, 'shape', '')} "
+        f"{getattr(key, 'dtype', '')}."
+    )
+
+
+def into_collection(key: jax.Array, labels: Sequence[str]) -> dict[str, jax.Array]:
+    r"""Derives one key per RNG collection label, e.g. `{"dropout": key}`.
+
+    Works on the host and inside compiled code.
+    """
+    return {label: jax.random.fold_in(key, i) for i, label in enumerate(labels)}
+
+
+def step_keys(
+    key: jax.Array,
+    step: jax.Array,
+    device_index: Union[int, jax.Array],
+    labels: Sequence[str],
+) -> dict[str, jax.Array]:
+    r"""Keys of one step on one device, derived on the device.
+
+    Args:
+        key: the run's training key.
+        step: the number of the step being computed (1-based).
+        device_index: the index of the device along the data axis.
+        labels: RNG collection labels, e.g. `["dropout"]`.
+
+    Returns:
+        a mapping from label to key.
+    """
+    per_step = jax.random.fold_in(key, step)
+    per_device = jax.random.fold_in(per_step, device_index)
+    return into_collection(per_device, labels)
+
+
+def into_sequence(key: Any) -> KeyGenerator:
+    r"""An endless generator of fresh keys split from `key`.
+
+    >>> keys = into_sequence(jax.random.key(0))
+    >>> first, second = next(keys), next(keys)
+    """
+    current = as_typed_key(key)
+    while True:
+        current, fresh = jax.random.split(current)
+        yield fresh
+
+
+def sequence(seed: int, num: int = 1) -> Union[KeyGenerator, list[KeyGenerator]]:
+    r"""Creates `num` independent key generators from an integer seed.
+
+    >>> rnkeyg = sequence(seed=0)
+    >>> key = next(rnkeyg)
+    """
+    root = jax.random.key(seed)
+    if num == 1:
+        return into_sequence(root)
+    return [into_sequence(key) for key in jax.random.split(root, num)]
+
+
+def split_per_device(key: Any, n_devices: int) -> jax.Array:
+    r"""Splits a key into `n_devices` keys (kept for programs that call it)."""
+    return jax.random.split(as_typed_key(key), n_devices)
+
+
+def key_data(key: jax.Array) -> tuple[str, np.ndarray]:
+    r"""The implementation name and raw data of a typed key, for files."""
+    impl = str(jax.random.key_impl(key))
+    return impl, np.asarray(jax.random.key_data(key))
+
+
+def key_from_data(impl: str, data: np.ndarray) -> jax.Array:
+    r"""Rebuilds a typed key from `key_data`'s output."""
+    return jax.random.wrap_key_data(np.asarray(data, dtype=np.uint32), impl=impl)
+
+
+def labels_of(collections: Mapping[str, Sequence[str]], kind: str) -> list[str]:
+    r"""The RNG labels for `kind` ("init" or "apply") in `collections`."""
+    defaults = {"init": ["params"], "apply": []}
+    labels = collections.get(kind, defaults[kind])
+    if isinstance(labels, str) or not all(isinstance(label, str) for label in labels):
+        raise ConfigError(
+            f'collections["{kind}"] must be a list of RNG collection names '
+            f'such as ["dropout"]; got {labels!r}.'
+        )
+    return list(labels)

@@ -1,0 +1,226 @@
+r"""The compiled data-parallel update: per-device code, averaged gradients.
+
+Each device computes the loss and gradients of its share of the batch; the
+gradients, the loss and the floating-point leaves of the mutated collections
+are averaged with `pmean` over the data axis; then every device applies the
+same optimizer update to its replica. On one device the same code runs
+under a plain `jax.jit`, without collectives (`shard_map` costs ~11% there).
+"""
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.core.scope import CollectionFilter
+from jax.sharding import PartitionSpec
+
+from flax_loop.batch import Batch
+from flax_loop.errors import LossError
+from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.random import step_keys
+
+NONFINITE_MODES = ("raise", "skip")
+
+
+class TrainState(struct.PyTreeNode):
+    r"""Everything the update carries from one step to the next.
+
+    It lives on the devices, replicated, and is donated to each step.
+    """
+
+    step: jax.Array
+    r"""the number of completed steps (int32 scalar)."""
+
+    model_params: Any
+    r"""the model's parameters."""
+
+    model_state: Any
+    r"""the model's other collections (e.g. `batch_stats`)."""
+
+    optimizer_state: Any
+    r"""the optimizer's state."""
+
+    grads: Any
+    r"""the averaged gradients of the last step."""
+
+    loss_sum: jax.Array
+    r"""the sum of the finite losses since the last checkpoint."""
+
+    n_nonfinite: jax.Array
+    r"""the number of steps with a non-finite loss or gradient since the last
+    checkpoint."""
+
+    first_nonfinite_step: jax.Array
+    r"""the first step whose loss or gradient was not finite; 0 if none."""
+
+    @classmethod
+    def create(
+        cls,
+        model_params: Any,
+        model_state: Any,
+        optimizer_state: Any,
+        step: int,
+    ) -> "TrainState":
+        r"""A state at `step`, with zero gradients and empty interval sums."""
+        return cls(
+            step=jnp.asarray(step, jnp.int32),
+            model_params=model_params,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            grads=jax.tree.map(jnp.zeros_like, model_params),
+            loss_sum=jnp.zeros((), jnp.float32),
+            n_nonfinite=jnp.zeros((), jnp.int32),
+            first_nonfinite_step=jnp.zeros((), jnp.int32),
+        )
+
+
+def _check_loss(loss: Any) -> jax.Array:
+    shape = getattr(loss, "shape", None)
+    dtype = getattr(loss, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        described = (
+            f"an array of shape {shape} and dtype {dtype}"
+            if shape is not None
+            else f"a {type(loss).__name__}"
+        )
+        raise LossError(
+            f"The loss function must return a floating-point scalar; it "
+            f"returned {described}. Reduce it with .mean() and compute it in "
+            "floating point (e.g. optax.softmax_cross_entropy_with_integer_labels"
+            "(...).mean())."
+        )
+    return loss  # type: ignore[no-any-return]
+
+
+def _pmean_floating(tree: Any, axis_name: str) -> Any:
+    r"""Averages floating-point leaves over the axis; integer counters stay."""
+
+    def average(leaf: jax.Array) -> jax.Array:
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return jax.lax.pmean(leaf, axis_name)
+        return leaf
+
+    return jax.tree.map(average, tree)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def build_update(
+    apply: Callable[..., Any],
+    loss: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    rng_labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+    axis_name: Optional[str],
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, jax.Array]]:
+    r"""The update of one step, as seen by one device.
+
+    Args:
+        apply: the model's apply function.
+        loss: the loss function, `loss(*outputs, *targets)`.
+        optimizer: the optimizer.
+        rng_labels: RNG collections to derive keys for (e.g. `["dropout"]`).
+        mutable_collections: the collections `apply` may change.
+        axis_name: the mesh axis to average over; `None` on one device.
+
+    Returns:
+        `update(state, batch, key) -> (state, loss)`.
+    """
+    mutable = mutable_collections not in (False, None)
+
+    def forward(
+        params: Any, model_state: Any, batch: Batch, rngs: dict[str, jax.Array]
+    ) -> tuple[jax.Array, Any]:
+        inputs, targets = batch
+        variables = {"params": params, **model_state}
+        if mutable:
+            outputs, mutated = apply(
+                variables, *inputs, rngs=rngs, mutable=mutable_collections
+            )
+            mutated = {k: v for k, v in dict(mutated).items() if k != "params"}
+        else:
+            outputs, mutated = apply(variables, *inputs, rngs=rngs), {}
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        return _check_loss(loss(*outputs, *targets)), mutated
+
+    gradient = jax.value_and_grad(forward, has_aux=True)
+
+    def update(
+        state: TrainState, batch: Batch, key: jax.Array
+    ) -> tuple[TrainState, jax.Array]:
+        step = state.step + 1
+        device_index = jax.lax.axis_index(axis_name) if axis_name else 0
+        rngs = step_keys(key, step, device_index, rng_labels)
+        (loss_value, mutated), grads = gradient(
+            state.model_params, state.model_state, batch, rngs
+        )
+        if axis_name:
+            loss_value, grads = jax.lax.pmean((loss_value, grads), axis_name)
+            mutated = _pmean_floating(mutated, axis_name)
+        updates, optimizer_state = optimizer.update(
+            grads, state.optimizer_state, state.model_params
+        )
+        finite = jnp.isfinite(loss_value) & _all_finite(grads)
+        first_bad = jnp.where(
+            (state.first_nonfinite_step == 0) & ~finite,
+            step,
+            state.first_nonfinite_step,
+        )
+        new_state = state.replace(
+            step=step,
+            model_params=optax.apply_updates(state.model_params, updates),
+            model_state={**state.model_state, **mutated},
+            optimizer_state=optimizer_state,
+            grads=grads,
+            loss_sum=state.loss_sum + jnp.where(finite, loss_value, 0.0),
+            n_nonfinite=state.n_nonfinite + (~finite).astype(jnp.int32),
+            first_nonfinite_step=first_bad,
+        )
+        return new_state, loss_value.astype(jnp.float32)
+
+    return update
+
+
+def compile_update(
+    update: Callable[[TrainState, Batch, jax.Array], tuple[TrainState, jax.Array]],
+    placement: Placement,
+    state: TrainState,
+    batch: Batch,
+    key: jax.Array,
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, jax.Array]]:
+    r"""Compiles the update once for the placement, donating the state.
+
+    Args:
+        update: the per-device update from `build_update`.
+        placement: the devices to run on.
+        state: the replicated state (used for its shapes and layout).
+        batch: a sharded batch (used for its shapes and layout).
+        key: the replicated key.
+
+    Returns:
+        the compiled update; it accepts only arrays of these shapes.
+    """
+    if placement.n_devices > 1:
+        # check_vma=False keeps pmap's semantics: per-device gradients, then an
+        # explicit pmean. With the default, differentiating w.r.t. replicated
+        # parameters already sums over the axis and the update is N times too
+        # large (DESIGN.md).
+        update = jax.shard_map(
+            update,
+            mesh=placement.mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS), PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec()),
+            check_vma=False,
+        )
+    jitted = jax.jit(
+        update,
+        donate_argnums=0,
+        out_shardings=(placement.replicated, placement.replicated),
+    )
+    return jitted.lower(state, batch, key).compile()  # type: ignore[no-any-return]

@@ -1,0 +1,62 @@
+r"""Descriptions of what to train and how to evaluate: data, never behaviour."""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import optax
+
+from flax_loop.batch import DataStream
+
+MetricFn = Callable[..., Any]
+
+
+@dataclass
+class TrainTask:
+    r"""The training task describes how to train a model.
+
+    >>> task = TrainTask(apply=model.apply, optimizer=optax.adam(1e-3),
+    ...                  loss=cross_entropy, data=batches)
+    >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0))
+    """
+
+    apply: Callable[..., Any]
+    r"""an apply function of the model (a linen module's `apply`)."""
+
+    optimizer: optax.GradientTransformation
+    r"""an optax optimizer."""
+
+    loss: Callable[..., Any]
+    r"""a loss function, called as `loss(*outputs, *targets)`; returns a scalar."""
+
+    data: DataStream
+    r"""an iterator or iterable of batches.
+
+    A batch holds inputs and targets, each one array or several, in one of
+    the forms `(x, y)`, `((x, ...), (y, ...))` or `((x, ...), ())`, as tuples
+    or lists. Inputs are passed as `apply(variables, *inputs)`; the model's
+    outputs `(o, ...)` and the targets as `loss(o, ..., y, ...)`.
+    """
+
+
+@dataclass
+class EvalTask:
+    r"""The evaluation task describes how to evaluate a model.
+
+    >>> task = EvalTask(apply=model.apply, data=test_batches,
+    ...                 metrics={"accuracy": accuracy, "loss": cross_entropy})
+    >>> summary = EvalLoop(task, rnkey=jax.random.key(1), n_steps=None)(checkpoint)
+    """
+
+    apply: Callable[..., Any]
+    r"""an apply function of the model (a linen module's `apply`)."""
+
+    metrics: Mapping[str, MetricFn]
+    r"""metrics by name, each `fn(*outputs, *targets)` returning a value per
+    example (an array with a leading batch axis) or the batch's mean."""
+
+    data: DataStream
+    r"""an iterable of evaluation batches, in the forms `TrainTask.data` takes.
+
+    For whole passes (`EvalLoop(n_steps=None)`), give something that can be
+    iterated again: a list, or a function returning a fresh iterator.
+    """
