@@ -22,6 +22,7 @@ from flax_loop.checkpoint import (
     Summary,
 )
 from flax_loop.errors import FlaxLoopError
+from flax_loop.evaluation import EvalLoop
 from flax_loop.loop import TrainLoop
 from flax_loop.task import EvalTask, TrainTask
 from flax_loop.version import __version__
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointFile",
     "CheckpointFileReader",
     "CheckpointFileWriter",
+    "EvalLoop",
     "EvalTask",
     "FlaxLoopError",
     "HighestCheckpointFileReader",

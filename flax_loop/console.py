@@ -1,10 +1,15 @@
 r"""Console output through rich, printed by process 0 only."""
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from flax_loop.checkpoint._checkpoint import Summary
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -55,3 +60,56 @@ def describe_model(params: Any, n_devices: int, setup_seconds: float) -> str:
         f"[bold]Model[/bold]: {n_params:,} parameters ({format_bytes(n_bytes)}) "
         f"on {devices}; set-up {setup_seconds:.2f} s"
     )
+
+
+class SummaryLogger:
+    r"""Prints each summary as a compact table: step, time, groups and metrics.
+
+    >>> process = redex.combinator.serial(eval_loop, SummaryLogger())
+    >>> for checkpoint in loop:
+    ...     process(checkpoint)
+
+    Only process 0 prints. Groups may be empty and metrics may appear later.
+    """
+
+    def __init__(self, stdout: bool = True) -> None:
+        self._stdout = stdout
+
+    def __call__(self, summary: "Summary") -> "Summary":
+        r"""Prints the summary and returns it unchanged."""
+        if self._stdout and is_main_process():
+            console().print(render_summary(summary))
+        return summary
+
+
+def _format_value(value: Any) -> str:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if number != 0 and (abs(number) >= 1e5 or abs(number) < 1e-3):
+        return f"{number:.4e}"
+    return f"{number:.6f}"
+
+
+def render_summary(summary: "Summary") -> "Table":
+    r"""A rich table of a summary's metrics, titled with its step and timing."""
+    from rich.table import Table
+
+    steps = summary.n_completed_steps
+    title = (
+        f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "
+        f"{summary.elapsed_time:.2f} s"
+        + (" (preempted)" if summary.preempted else "")
+    )
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("group")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for group, metrics in summary.metrics.items():
+        if not metrics:
+            table.add_row(group, "-", "-")
+            continue
+        for index, (name, value) in enumerate(metrics.items()):
+            table.add_row(group if index == 0 else "", name, _format_value(value))
+    return table

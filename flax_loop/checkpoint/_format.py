@@ -57,7 +57,8 @@ def _host_leaf(leaf: Any) -> np.ndarray:
             f"Cannot write an array of dtype {array.dtype} to a checkpoint file; "
             f"supported dtypes are {sorted(_DTYPES)}."
         )
-    return np.ascontiguousarray(array)
+    # not np.ascontiguousarray: it turns a scalar into shape (1,)
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
@@ -182,12 +183,10 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
 
 def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:
     try:
-        footer = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_buffer_size=len(data)
-        )
-    except Exception as error:  # msgpack raises several types on bad data
+        footer = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException, RecursionError) as error:
         raise CheckpointCorruptError(
-            f"{path} is damaged: its metadata cannot be decoded ({error})."
+            f"{path} is damaged: its metadata cannot be decoded ({error})"
         ) from error
     if not isinstance(footer, dict):
         raise CheckpointCorruptError(f"{path} is damaged: metadata is not a map.")

@@ -106,7 +106,7 @@ class CheckpointFileReader:
         if candidates:
             raise CheckpointCorruptError(
                 f"Every checkpoint file in {self.dir!r} is damaged, so none was "
-                f"loaded and none was removed: {'; '.join(problems)}. Move them "
+                f"loaded and none was removed ({'; '.join(p.rstrip('.') for p in problems)}). Move them "
                 "away to start afresh."
             )
         return None

@@ -1,0 +1,126 @@
+"""Trains an MLP on scikit-learn's bundled digits, with checkpoints and resume.
+
+    python examples/train_digits.py --output-dir runs/digits
+
+Every 100 steps the checkpoint is evaluated on held-out digits, printed,
+written to TensorBoard (if tensorboardX is installed) and to checkpoint files;
+run the command again and training resumes from the newest file.
+"""
+
+import argparse
+import os
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import redex
+from sklearn.datasets import load_digits
+
+from flax_loop import (
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    EvalLoop,
+    EvalTask,
+    HighestCheckpointFileWriter,
+    TrainLoop,
+    TrainTask,
+)
+from flax_loop.console import SummaryLogger
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, train: bool = True) -> jnp.ndarray:
+        x = nn.relu(nn.Dense(128)(x))
+        x = nn.Dropout(0.1, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def accuracy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    return (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+
+
+def per_example_loss(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(x))
+        for start in range(0, len(x) - batch_size + 1, batch_size):
+            index = order[start : start + batch_size]
+            yield x[index], y[index]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", default="runs/digits")
+    parser.add_argument("--n-steps", type=int, default=1000)
+    parser.add_argument("--n-steps-per-checkpoint", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = (x[order] / 16.0).astype(np.float32), y[order].astype(np.int32)
+    x_train, y_train, x_test, y_test = x[:1497], y[:1497], x[1497:], y[1497:]
+
+    model = MLP()
+    train_task = TrainTask(
+        apply=model.apply,
+        optimizer=optax.adam(3e-3),
+        loss=cross_entropy,
+        data=batches(x_train, y_train, args.batch_size, seed=1),
+    )
+    eval_task = EvalTask(
+        apply=partial(model.apply, train=False),
+        metrics={"accuracy": accuracy, "loss": per_example_loss},
+        data=[(x_test[i : i + 100], y_test[i : i + 100]) for i in range(0, 300, 100)],
+    )
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    loop = TrainLoop(
+        init=CheckpointFileReader(dir=checkpoints, target=model.init),
+        task=train_task,
+        rnkey=jax.random.key(0),
+        n_steps=args.n_steps,
+        n_steps_per_checkpoint=args.n_steps_per_checkpoint,
+        collections={"apply": ["dropout"]},
+    )
+    processors = [
+        EvalLoop(eval_task, rnkey=jax.random.key(1), n_steps=None, devices=loop.devices),
+        SummaryLogger(),
+        CheckpointFileWriter(output_dir=checkpoints, keep=2),
+        HighestCheckpointFileWriter(output_dir=checkpoints, metric="accuracy"),
+    ]
+    try:
+        from flax_loop.tensorboard import SummaryWriter
+
+        import tensorboardX  # noqa: F401
+
+        processors.append(SummaryWriter(os.path.join(args.output_dir, "tensorboard")))
+    except ImportError:
+        pass
+    process = redex.combinator.serial(*processors)
+
+    summary = None
+    for checkpoint in loop:
+        summary = process(checkpoint)
+    if summary is None:
+        print(f"Already trained to step {loop.step}; checkpoints in {checkpoints}.")
+        return
+    print(
+        f"Final test accuracy at step {summary.step}: "
+        f"{summary.metrics['eval']['accuracy']:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

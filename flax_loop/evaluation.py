@@ -1,0 +1,278 @@
+r"""`EvalLoop`: exact, example-weighted metrics of a checkpoint on eval data.
+
+>>> eval_loop = EvalLoop(EvalTask(apply=partial(model.apply, train=False),
+...                               metrics={"accuracy": accuracy}, data=test_batches),
+...                      rnkey=jax.random.key(1), n_steps=None)
+>>> summary = eval_loop(checkpoint)
+>>> summary.metrics["eval"]["accuracy"]
+
+Each metric is `fn(*outputs, *targets)` returning one value per example (an
+array with a leading batch axis) or the batch's mean (a scalar; it is then
+computed per example, so the mean over examples is still exact). Batches
+whose size does not divide by the device count are padded and the padding
+is masked out: every example counts once, none is dropped.
+"""
+
+import time
+from collections import deque
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flax_loop.batch import Batch, normalize_batch
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
+from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
+from flax_loop.parallel import Placement, to_host
+from flax_loop.random import as_typed_key, into_collection, labels_of
+from flax_loop.task import EvalTask
+
+Totals = dict[str, jax.Array]
+
+
+def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
+    r"""Training statistics of a checkpoint's interval, as plain floats.
+
+    `loss` is the mean over the interval, `last_loss` the last step's;
+    the L2 norms are global norms over every leaf.
+    """
+    n_steps = max(int(checkpoint.n_completed_steps), 1)
+    elapsed = float(checkpoint.elapsed_time)
+    mean_loss = checkpoint.mean_loss if checkpoint.mean_loss is not None else checkpoint.loss
+    grads_norm, weights_norm = to_host(
+        _global_norms(checkpoint.grads, checkpoint.model_params)
+    )
+    return {
+        "loss": float(mean_loss),
+        "last_loss": float(checkpoint.loss),
+        "seconds_per_step": elapsed / n_steps,
+        "steps_per_second": n_steps / elapsed if elapsed > 0 else float("inf"),
+        "gradients_l2norm": float(grads_norm),
+        "weights_l2norm": float(weights_norm),
+    }
+
+
+@jax.jit
+def _global_norms(grads: Any, params: Any) -> tuple[jax.Array, jax.Array]:
+    return optax.global_norm(grads), optax.global_norm(params)
+
+
+def summarize(
+    checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]
+) -> Summary:
+    r"""A summary of `checkpoint` with `metrics` under `group`.
+
+    A summary given in is extended: its groups are kept and `group` is merged.
+    """
+    groups = {name: dict(values) for name, values in getattr(checkpoint, "metrics", {}).items()}
+    if "train" not in groups:
+        groups["train"] = train_statistics(checkpoint)
+    groups[group] = {**groups.get(group, {}), **metrics}
+    fields = {k: v for k, v in vars(checkpoint).items() if k != "metrics"}
+    return Summary(metrics=groups, **fields)
+
+
+class EvalLoop:
+    r"""The evaluation loop runs a model over eval batches and returns a `Summary`.
+
+    Its summary holds `metrics={"train": <interval statistics>, "eval": {...}}`;
+    chained after another `EvalLoop`, it merges into that summary's groups.
+    """
+
+    def __init__(
+        self,
+        task: EvalTask,
+        rnkey: Any,
+        n_steps: Optional[int] = 1,
+        collections: Optional[Mapping[str, Sequence[str]]] = None,
+        n_devices: Optional[int] = None,
+        *,
+        devices: Optional[Sequence[Any]] = None,
+        group: str = "eval",
+    ) -> None:
+        r"""Initializes the evaluation loop.
+
+        Args:
+            task: the model's apply, the metrics and the eval data.
+            rnkey: a key for RNG collections the model needs at evaluation.
+            n_steps: batches per evaluation; `None` for a whole pass over
+                `task.data` (a list, or a function returning a fresh iterator).
+            collections: RNG collection names, `{"apply": [...]}`.
+            n_devices: evaluate on the first `n_devices` devices.
+            devices: the devices to evaluate on (e.g. the training loop's);
+                all of them by default.
+            group: the name of the metric group in the summary.
+        """
+        if n_steps is not None and (
+            isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1
+        ):
+            raise ConfigError(f"n_steps must be an integer >= 1 or None; got {n_steps!r}.")
+        if not isinstance(task.metrics, Mapping) or not task.metrics:
+            raise ConfigError(
+                f"task.metrics must map names to functions, e.g. "
+                f"{{'accuracy': accuracy}}; got {task.metrics!r}."
+            )
+        for name, metric in task.metrics.items():
+            if not callable(metric):
+                raise ConfigError(f"metric {name!r} is not callable: {metric!r}.")
+        if devices is None and n_devices is not None:
+            if not 1 <= n_devices <= len(jax.devices()):
+                raise ConfigError(
+                    f"n_devices must be between 1 and {len(jax.devices())}; got {n_devices}."
+                )
+            devices = jax.devices()[:n_devices]
+        self._task = task
+        self._n_steps = n_steps
+        self._group = group
+        self._key = as_typed_key(rnkey)
+        self._labels = labels_of(dict(collections or {}), "apply")
+        self._placement = Placement(devices)
+        self._stream: Optional[Iterator[Any]] = None
+        self._batch_size: Optional[int] = None
+        self._evaluate = jax.jit(self._accumulate)
+
+    @property
+    def n_steps(self) -> Optional[int]:
+        r"""batches per evaluation; `None` for a whole pass."""
+        return self._n_steps
+
+    def __call__(self, checkpoint: Checkpoint) -> Summary:
+        r"""Evaluates the checkpoint's model and returns its summary."""
+        if not isinstance(checkpoint, Checkpoint):
+            raise ConfigError(
+                f"EvalLoop takes a Checkpoint (or Summary); got {type(checkpoint).__name__}."
+            )
+        return summarize(checkpoint, self._group, self.evaluate(checkpoint))
+
+    def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
+        r"""The metrics of the checkpoint's model, averaged over examples."""
+        variables = self._placement.replicate(
+            {"params": checkpoint.model_params, **dict(checkpoint.model_state)}
+        )
+        step_key = jax.random.fold_in(self._key, int(checkpoint.step))
+        totals: Optional[Totals] = None
+        in_flight: deque[jax.Array] = deque()
+        for index, batch in enumerate(self._batches()):
+            inputs, targets, mask = self._pad(batch)
+            if totals is None:
+                totals = self._placement.replicate(
+                    {name: np.zeros((), np.float32) for name in [*self._task.metrics, "__count__"]}
+                )
+            totals = self._evaluate(
+                totals, variables, inputs, targets, mask, jax.random.fold_in(step_key, index)
+            )
+            in_flight.append(totals["__count__"])
+            if len(in_flight) > self._placement.dispatch_depth:
+                in_flight.popleft().block_until_ready()
+        if totals is None:
+            raise DataExhaustedError(
+                "The eval data yielded no batch. For whole passes (n_steps=None) "
+                "give EvalTask a list or a function returning a fresh iterator."
+            )
+        host = to_host(totals)
+        count = float(host.pop("__count__"))
+        return {name: float(value) / count for name, value in host.items()}
+
+    def _batches(self) -> Iterator[Batch]:
+        if self._n_steps is None:
+            data = self._task.data
+            source = data() if callable(data) and not hasattr(data, "__iter__") else data
+            stream = iter(source)
+            if stream is source and getattr(self, "_used_iterator", False):
+                raise DataExhaustedError(
+                    "EvalLoop(n_steps=None) was given an iterator, which a first "
+                    "pass used up; give EvalTask a list or a function returning a "
+                    "fresh iterator."
+                )
+            self._used_iterator = stream is source
+            for raw in stream:
+                yield normalize_batch(raw)
+            return
+        for _ in range(self._n_steps):
+            raw = self._next_raw()
+            if raw is None:
+                return
+            yield normalize_batch(raw)
+
+    def _next_raw(self) -> Any:
+        if self._stream is None:
+            self._stream = iter(self._task.data)
+        try:
+            return next(self._stream)
+        except StopIteration:
+            pass
+        restarted = iter(self._task.data)
+        if restarted is self._stream:  # a one-shot iterator: it is used up
+            return None
+        self._stream = restarted
+        return next(self._stream, None)
+
+    def _pad(self, batch: Batch) -> tuple[Any, Any, Any]:
+        inputs, targets = batch
+        sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in inputs + targets}
+        if len(sizes) != 1 or None in sizes:
+            raise BatchError(
+                f"Every array of an eval batch needs the same leading batch axis; "
+                f"got shapes {[np.shape(leaf) for leaf in inputs + targets]}."
+            )
+        size = sizes.pop()
+        n = self._placement.n_local_devices
+        if self._batch_size is None:
+            self._batch_size = -(-size // n) * n
+        padded = max(self._batch_size, -(-size // n) * n)
+
+        def pad(leaf: Any) -> Any:
+            leaf = np.asarray(leaf)
+            if leaf.shape[0] == padded:
+                return leaf
+            filler = np.zeros((padded - leaf.shape[0], *leaf.shape[1:]), leaf.dtype)
+            return np.concatenate([leaf, filler])
+
+        mask = np.arange(padded) < size
+        placed = tuple(map(pad, inputs)), tuple(map(pad, targets)), mask
+        return self._placement.shard_batch(placed)  # type: ignore[no-any-return]
+
+    def _accumulate(
+        self,
+        totals: Totals,
+        variables: Any,
+        inputs: tuple[Any, ...],
+        targets: tuple[Any, ...],
+        mask: jax.Array,
+        key: jax.Array,
+    ) -> Totals:
+        rngs = into_collection(key, self._labels)
+        outputs = self._task.apply(variables, *inputs, rngs=rngs)
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        weights = mask.astype(jnp.float32)
+        updated = dict(totals)
+        for name, metric in self._task.metrics.items():
+            values = _per_example(metric, outputs, targets, mask.shape[0], name)
+            updated[name] = totals[name] + jnp.sum(values * weights)
+        updated["__count__"] = totals["__count__"] + jnp.sum(weights)
+        return updated
+
+
+def _per_example(
+    metric: Callable[..., Any],
+    outputs: tuple[Any, ...],
+    targets: tuple[Any, ...],
+    batch_size: int,
+    name: str,
+) -> jax.Array:
+    value = jnp.asarray(metric(*outputs, *targets))
+    if value.ndim >= 1 and value.shape[0] == batch_size:
+        return value.reshape(batch_size, -1).mean(axis=1).astype(jnp.float32)
+    if value.ndim == 0:
+        # A batch mean cannot be masked; compute it on each example alone.
+        def one(*args: Any) -> jax.Array:
+            return jnp.asarray(metric(*(arg[None] for arg in args)), jnp.float32)
+
+        return jax.vmap(one)(*outputs, *targets)
+    raise ConfigError(
+        f"metric {name!r} returned shape {value.shape} for a batch of "
+        f"{batch_size}; return one value per example or the batch mean."
+    )

@@ -1,0 +1,74 @@
+r"""`SummaryWriter`: summaries as TensorBoard scalars, through tensorboardX.
+
+Install the extra: `pip install "flax_loop[tensorboard]"` (no TensorFlow).
+"""
+
+import atexit
+import os
+from typing import Any, Optional
+
+from flax_loop.checkpoint._checkpoint import Summary
+from flax_loop.console import is_main_process
+from flax_loop.errors import ConfigError
+
+
+class SummaryWriter:
+    r"""Writes each summary's metrics as scalars `group/metric` at its step.
+
+    >>> writer = SummaryWriter(output_dir="runs/digits")
+    >>> for checkpoint in loop:
+    ...     writer(eval_loop(checkpoint))
+
+    One event file is kept open, flushed after every summary and closed at
+    `close()`, on `with`-exit or at interpreter exit. Only process 0 writes.
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        if not isinstance(output_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"output_dir must be a path; got {type(output_dir).__name__}."
+            )
+        self.output_dir = os.fspath(output_dir)
+        self._writer: Optional[Any] = None
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            try:
+                from tensorboardX import SummaryWriter as EventWriter
+            except ImportError as error:
+                raise ConfigError(
+                    "SummaryWriter needs tensorboardX: pip install "
+                    '"flax_loop[tensorboard]".'
+                ) from error
+            self._writer = EventWriter(logdir=self.output_dir)
+            atexit.register(self.close)
+        return self._writer
+
+    def __call__(self, summary: Summary) -> Summary:
+        r"""Writes the summary's scalars and returns the summary unchanged."""
+        if not isinstance(summary, Summary):
+            raise ConfigError(
+                f"SummaryWriter needs a Summary (with metrics), such as EvalLoop "
+                f"returns; got {type(summary).__name__}."
+            )
+        if not is_main_process():
+            return summary
+        writer = self._open()
+        for group, metrics in summary.metrics.items():
+            for name, value in metrics.items():
+                writer.add_scalar(f"{group}/{name}", float(value), summary.step)
+        writer.flush()
+        return summary
+
+    def close(self) -> None:
+        r"""Flushes and closes the event file."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            atexit.unregister(self.close)
+
+    def __enter__(self) -> "SummaryWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

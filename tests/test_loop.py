@@ -1,0 +1,311 @@
+"""TrainLoop: data-parallel equivalence, convergence, cadence, state, streams."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import Checkpoint, TrainLoop, TrainTask
+from flax_loop.errors import DataExhaustedError
+from tests.helpers import (
+    MLP,
+    BatchNormDropoutNet,
+    accuracy,
+    batches,
+    cross_entropy,
+    digits_split,
+    leaves_close,
+)
+
+X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
+
+
+def make_loop(n_devices=1, optimizer=None, data=None, model=None, **options):
+    model = model or MLP()
+    task = TrainTask(
+        apply=model.apply,
+        optimizer=optimizer or optax.adam(1e-2),
+        loss=cross_entropy,
+        data=data if data is not None else batches(X_TRAIN, Y_TRAIN, 32),
+    )
+    options.setdefault("stdout", False)
+    return TrainLoop(
+        init=model.init,
+        task=task,
+        rnkey=options.pop("rnkey", jax.random.key(0)),
+        devices=jax.devices()[:n_devices],
+        **options,
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [optax.sgd(0.5), optax.adam(1e-2)],
+    ids=["sgd", "adam"],
+)
+def test_four_devices_compute_what_one_device_computes(optimizer):
+    # Plain SGD exposes a gradient N times too large; Adam alone would hide it.
+    one = make_loop(1, optimizer, n_steps=20, n_steps_per_checkpoint=20)
+    four = make_loop(4, optimizer, n_steps=20, n_steps_per_checkpoint=20)
+    (single,) = list(one)
+    (parallel,) = list(four)
+    assert single.step == parallel.step == 20
+    initial = make_loop(1, optimizer).next_step()
+    moved = leaves_close(single.model_params, initial.model_params, 0)
+    assert moved > 1e-3  # the parameters really trained
+    assert leaves_close(parallel.model_params, single.model_params, 0) < 1e-5
+    assert abs(parallel.loss - single.loss) <= 1e-5 * abs(single.loss)
+
+
+def test_mlp_learns_digits_to_95_percent():
+    model = MLP(features=(128,))
+    loop = make_loop(
+        4, optax.adam(3e-3), model=model, n_steps=400, n_steps_per_checkpoint=400,
+        data=batches(X_TRAIN, Y_TRAIN, 64),
+    )
+    (checkpoint,) = list(loop)
+    logits = model.apply({"params": checkpoint.model_params}, X_TEST)
+    test_accuracy = float(accuracy(logits, Y_TEST).mean())
+    assert test_accuracy >= 0.95, test_accuracy
+    assert checkpoint.mean_loss < 0.5
+
+
+def _bn_dropout_loop(rnkey, n_devices=4):
+    model = BatchNormDropoutNet()
+    task = TrainTask(
+        apply=model.apply,
+        optimizer=optax.adam(1e-2),
+        loss=cross_entropy,
+        data=batches(X_TRAIN, Y_TRAIN, 32),
+    )
+    return TrainLoop(
+        init=model.init,
+        task=task,
+        rnkey=rnkey,
+        n_steps=15,
+        n_steps_per_checkpoint=15,
+        collections={"init": ["params", "dropout"], "apply": ["dropout"]},
+        devices=jax.devices()[:n_devices],
+        stdout=False,
+    )
+
+
+def test_batchnorm_stats_and_dropout_keys():
+    loop = _bn_dropout_loop(jax.random.key(7))
+    initial_stats = jax.tree.map(np.asarray, loop._state.model_state)
+    (first,) = list(loop)
+    stats = first.model_state["batch_stats"]
+    mean = stats["BatchNorm_0"]["mean"]
+    assert not np.allclose(mean, initial_stats["batch_stats"]["BatchNorm_0"]["mean"])
+    # Averaged over devices: every device holds the same running statistics.
+    shards = [np.asarray(shard.data) for shard in mean.addressable_shards]
+    assert len(shards) == 4
+    for shard in shards[1:]:
+        np.testing.assert_array_equal(shard, shards[0])
+
+    (same,) = list(_bn_dropout_loop(jax.random.key(7)))
+    (other,) = list(_bn_dropout_loop(jax.random.key(8)))
+    jax.tree.map(np.testing.assert_array_equal, first.model_params, same.model_params)
+    assert leaves_close(first.model_params, other.model_params, 0) > 1e-4
+
+
+def test_dropout_keys_differ_per_device():
+    # Every device gets the same 8 examples. Device 0 of a 4-device loop uses
+    # the same key as a 1-device loop; if the other devices reused it, the
+    # averaged gradient would equal the single device's gradient.
+    x, y = X_TRAIN[:8], Y_TRAIN[:8]
+    model = BatchNormDropoutNet()
+
+    def first_grads(n_devices):
+        data = itertools.repeat((np.tile(x, (n_devices, 1)), np.tile(y, n_devices)))
+        loop = TrainLoop(
+            init=model.init,
+            task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data),
+            rnkey=jax.random.key(0),
+            collections={"apply": ["dropout"]},
+            devices=jax.devices()[:n_devices],
+            stdout=False,
+        )
+        return loop.next_step().grads
+
+    one, four = first_grads(1), first_grads(4)
+    assert leaves_close(four, one, 0) > 1e-3
+
+
+def test_cadence_every_three_of_ten():
+    loop = make_loop(2, n_steps=10, n_steps_per_checkpoint=3)
+    checkpoints = list(loop)
+    assert [c.step for c in checkpoints] == [3, 6, 9, 10]
+    assert [c.n_completed_steps for c in checkpoints] == [3, 3, 3, 1]
+    assert loop.n_steps == 10 and loop.step == 10
+    assert list(loop) == []
+
+
+def test_next_step_then_iteration_still_reaches_n_steps():
+    loop = make_loop(1, n_steps=10, n_steps_per_checkpoint=3)
+    assert loop.next_step().step == 1
+    assert loop.next_step().step == 2
+    assert [c.step for c in loop] == [3, 6, 9, 10]
+    assert loop.n_steps == 10
+
+
+def test_next_checkpoint_and_run_do_not_clobber_n_steps():
+    loop = make_loop(1, n_steps=7, n_steps_per_checkpoint=3)
+    assert loop.next_checkpoint().step == 3
+    assert [c.step for c in loop.run(5)] == [5]
+    assert loop.n_steps == 7
+    assert loop.next_checkpoint().step == 6
+    assert loop.next_checkpoint().step == 7  # n_steps comes before 9
+    assert loop.next_checkpoint().step == 9  # past the target: keep going
+    assert loop.n_steps == 7
+    assert next(make_loop(1, n_steps=4, n_steps_per_checkpoint=3)).step == 3
+
+
+def test_notebook_style_with_default_n_steps():
+    loop = make_loop(1, n_steps_per_checkpoint=5)
+    assert loop.n_steps == 0
+    assert list(loop) == []
+    assert [loop.next_checkpoint().step for _ in range(3)] == [5, 10, 15]
+    loop.n_steps_per_checkpoint = 2
+    assert loop.next_checkpoint().step == 16
+    loop.n_steps = 20
+    assert [c.step for c in loop] == [18, 20]
+
+
+def test_checkpoint_survives_later_steps():
+    loop = make_loop(4, n_steps=30, n_steps_per_checkpoint=5)
+    early = loop.next_checkpoint()
+    copy = jax.tree.map(np.array, (early.model_params, early.optimizer_state, early.grads))
+    for _ in loop:
+        pass
+    assert loop.step == 30
+    again = jax.tree.map(np.array, (early.model_params, early.optimizer_state, early.grads))
+    jax.tree.map(np.testing.assert_array_equal, again, copy)
+    # No device axis: the arrays have the model's own shapes.
+    assert early.model_params["Dense_0"]["kernel"].shape == (64, 64)
+
+
+def test_exhausted_stream_ends_with_a_final_checkpoint():
+    data = itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 7)
+    loop = make_loop(2, data=data, n_steps=100, n_steps_per_checkpoint=3)
+    steps = [c.step for c in loop]
+    assert steps == [3, 6, 7]
+    assert loop.step == 7
+    assert list(loop) == []
+    with pytest.raises(DataExhaustedError, match="after step 7"):
+        loop.next_checkpoint()
+
+
+def test_exhausted_stream_in_a_list():
+    data = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 4))
+    loop = make_loop(1, data=data, n_steps=10, n_steps_per_checkpoint=10)
+    (checkpoint,) = list(loop)
+    assert checkpoint.step == 4 and checkpoint.n_completed_steps == 4
+
+
+def test_input_sample_none_trains_on_the_first_batch():
+    data = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 5))
+    with_sample = make_loop(
+        1, data=list(data), input_sample=X_TRAIN[:1], n_steps=5, n_steps_per_checkpoint=5,
+        optimizer=optax.sgd(0.1),
+    )
+    without = make_loop(
+        1, data=list(data), n_steps=5, n_steps_per_checkpoint=5, optimizer=optax.sgd(0.1)
+    )
+    (a,) = list(with_sample)
+    (b,) = list(without)
+    assert a.step == b.step == 5
+    jax.tree.map(np.testing.assert_allclose, a.model_params, b.model_params)
+
+
+def test_mean_loss_is_the_interval_mean():
+    data = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 6))
+    losses = [c.loss for c in make_loop(1, data=list(data), n_steps=6)]
+    loop = make_loop(1, data=list(data), n_steps=6, n_steps_per_checkpoint=3)
+    first, second = list(loop)
+    assert first.mean_loss == pytest.approx(np.mean(losses[:3]), rel=1e-6)
+    assert second.mean_loss == pytest.approx(np.mean(losses[3:]), rel=1e-6)
+    assert second.loss == pytest.approx(losses[-1], rel=1e-6)
+
+
+def test_legacy_prngkey_and_typed_key_give_the_same_run():
+    legacy = make_loop(1, rnkey=jax.random.PRNGKey(3), n_steps=3, n_steps_per_checkpoint=3)
+    typed = make_loop(1, rnkey=jax.random.key(3), n_steps=3, n_steps_per_checkpoint=3)
+    (a,), (b,) = list(legacy), list(typed)
+    jax.tree.map(np.testing.assert_array_equal, a.model_params, b.model_params)
+
+
+def test_list_batches_as_a_dataloader_yields_them():
+    def loader():
+        for x, y in batches(X_TRAIN, Y_TRAIN, 32):
+            yield [x, y]
+
+    loop = make_loop(2, data=loader(), n_steps=3, n_steps_per_checkpoint=3)
+    (checkpoint,) = list(loop)
+    assert checkpoint.step == 3
+
+
+def test_multiple_inputs_and_no_targets():
+    import flax.linen as nn
+
+    class TwoInputs(nn.Module):
+        @nn.compact
+        def __call__(self, a, b):
+            return nn.Dense(1)(a) - nn.Dense(1)(b), nn.Dense(1)(a)
+
+    def loss(difference, other):
+        return jnp.mean(difference**2) + 0.0 * jnp.mean(other)
+
+    rng = np.random.default_rng(0)
+    data = (((rng.normal(size=(8, 3)), rng.normal(size=(8, 2))), ()) for _ in range(100))
+    model = TwoInputs()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), loss, data),
+        rnkey=jax.random.key(0),
+        n_steps=20,
+        n_steps_per_checkpoint=20,
+        stdout=False,
+    )
+    (checkpoint,) = list(loop)
+    assert checkpoint.loss < 0.5 * loop_first_loss(model, loss)
+
+
+def loop_first_loss(model, loss):
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(8, 3)), rng.normal(size=(8, 2))
+    variables = model.init(jax.random.fold_in(jax.random.key(0), 0), a, b)
+    return float(loss(*model.apply(variables, a, b)))
+
+
+def test_two_thousand_steps_on_four_devices_in_one_interval():
+    small = MLP(features=(16,))
+    loop = make_loop(
+        4, model=small, optimizer=optax.sgd(0.05), n_steps=2000,
+        n_steps_per_checkpoint=2000,
+    )
+    (checkpoint,) = list(loop)
+    assert checkpoint.step == 2000 and checkpoint.n_completed_steps == 2000
+    assert np.isfinite(checkpoint.loss) and checkpoint.mean_loss < 1.0
+    assert checkpoint.elapsed_time > 0
+
+
+def test_stdout_prints_model_size_once(capsys):
+    from flax_loop import console
+
+    console._console = None  # pick up pytest's captured stdout
+    loop = make_loop(1, stdout=True, n_steps=2, n_steps_per_checkpoint=1)
+    list(loop)
+    out = capsys.readouterr().out
+    assert out.count("4,810 parameters") == 1
+    assert "set-up" in out
+    console._console = None
+
+
+def test_checkpoint_is_positional_as_in_flax_extra():
+    checkpoint = Checkpoint({}, {}, (), {}, 0.5, 3, 1.5, 9)
+    assert (checkpoint.step, checkpoint.n_completed_steps, checkpoint.loss) == (9, 3, 0.5)
+    assert checkpoint.mean_loss is None and not checkpoint.preempted
