@@ -1,0 +1,72 @@
+"""A training process for resume tests: trains to --n-steps, writing checkpoints.
+
+    python -m tests.resume_worker DIR --n-steps 30 --devices 4 --out params.npz
+
+Resumes from the newest file in DIR if there is one. Adam, dropout,
+BatchNorm and a resumable data stream: everything exact resume must carry.
+"""
+
+import argparse
+import os
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir")
+    parser.add_argument("--n-steps", type=int, required=True)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--keep", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plain-stream", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    import time
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import traverse_util
+
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+    from tests.helpers import (
+        BatchNormDropoutNet,
+        ResumableBatches,
+        batches,
+        cross_entropy,
+        digits_split,
+    )
+
+    x, y, _, _ = digits_split()
+    data = batches(x, y, 32) if args.plain_stream else ResumableBatches(x, y, 32, seed=3)
+    model = BatchNormDropoutNet()
+    loop = TrainLoop(
+        init=CheckpointFileReader(dir=args.dir, target=model.init),
+        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, data),
+        rnkey=jax.random.key(42),
+        n_steps=args.n_steps,
+        n_steps_per_checkpoint=args.every,
+        collections={"apply": ["dropout"]},
+        stdout=True,
+    )
+    writer = CheckpointFileWriter(output_dir=args.dir, keep=args.keep)
+    print(f"START {loop.step}", flush=True)
+    for checkpoint in loop:
+        writer(checkpoint)
+        print(f"WROTE {checkpoint.step}", flush=True)
+        if args.sleep:
+            time.sleep(args.sleep)
+    if args.out:
+        state = {"params": checkpoint.model_params, **checkpoint.model_state}
+        flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, state), sep="/")
+        np.savez(args.out, step=loop.step, **flat)
+    print(f"DONE {loop.step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
