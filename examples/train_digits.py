@@ -101,9 +101,9 @@ def main() -> None:
         HighestCheckpointFileWriter(output_dir=checkpoints, metric="accuracy"),
     ]
     try:
-        from flax_loop.tensorboard import SummaryWriter
-
         import tensorboardX  # noqa: F401
+
+        from flax_loop.tensorboard import SummaryWriter
 
         processors.append(SummaryWriter(os.path.join(args.output_dir, "tensorboard")))
     except ImportError:
@@ -116,10 +116,7 @@ def main() -> None:
     if summary is None:
         print(f"Already trained to step {loop.step}; checkpoints in {checkpoints}.")
         return
-    print(
-        f"Final test accuracy at step {summary.step}: "
-        f"{summary.metrics['eval']['accuracy']:.4f}"
-    )
+    print(f"Final test accuracy at step {summary.step}: {summary.metrics['eval']['accuracy']:.4f}")
 
 
 if __name__ == "__main__":

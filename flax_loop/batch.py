@@ -13,21 +13,22 @@ become numpy arrays (JAX arrays are kept as they are), with 64-bit types
 narrowed as JAX narrows them unless `jax_enable_x64` is set.
 """
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any
 
 import jax
 import numpy as np
 
 from flax_loop.errors import BatchError
 
-Leaf = Union[np.ndarray, jax.Array]
+Leaf = np.ndarray | jax.Array
 Inputs = tuple[Leaf, ...]
 Targets = tuple[Leaf, ...]
 Batch = tuple[Inputs, Targets]
 UnnormalizedInputs = Any
 UnnormalizedBatch = Any
-DataStream = Union[Iterator[UnnormalizedBatch], Iterable[UnnormalizedBatch]]
+DataStream = Iterator[UnnormalizedBatch] | Iterable[UnnormalizedBatch]
 
 
 def _is_array_like(value: Any) -> bool:
@@ -46,8 +47,7 @@ def _as_leaf(value: Any, where: str) -> Leaf:
         array = np.asarray(value)
     except Exception as error:  # np.asarray raises many types
         raise BatchError(
-            f"{where} of type {type(value).__name__} cannot be converted "
-            f"to an array: {error}."
+            f"{where} of type {type(value).__name__} cannot be converted to an array: {error}."
         ) from error
     if array.dtype == object:
         raise BatchError(
@@ -153,7 +153,7 @@ class BatchSpec:
 
         return f"inputs {group(self.inputs)}; targets {group(self.targets)}"
 
-    def check_batch_axis(self, n_shards: int, step: Optional[int] = None) -> None:
+    def check_batch_axis(self, n_shards: int, step: int | None = None) -> None:
         r"""Checks that every array has the same leading axis, divisible into shards.
 
         Raises:
@@ -181,7 +181,7 @@ class BatchSpec:
                 f"that is a positive multiple of {n_shards}."
             )
 
-    def validate(self, batch: Batch, step: Optional[int] = None) -> None:
+    def validate(self, batch: Batch, step: int | None = None) -> None:
         r"""Checks that a batch has exactly this spec.
 
         Raises:

@@ -1,7 +1,7 @@
 r"""Console output through rich, printed by process 0 only."""
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import jax
 from rich.console import Console
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
-_console: Optional[Console] = None
+_console: Console | None = None
 
 
 def console() -> Console:
@@ -99,8 +99,7 @@ def render_summary(summary: "Summary") -> "Table":
     steps = summary.n_completed_steps
     title = (
         f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "
-        f"{summary.elapsed_time:.2f} s"
-        + (" (preempted)" if summary.preempted else "")
+        f"{summary.elapsed_time:.2f} s" + (" (preempted)" if summary.preempted else "")
     )
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("group")

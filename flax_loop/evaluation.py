@@ -13,9 +13,9 @@ whose size does not divide by the device count are padded and the padding
 is masked out: every example counts once, none is dropped.
 """
 
-import time
 from collections import deque
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,7 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
     n_steps = max(int(checkpoint.n_completed_steps), 1)
     elapsed = float(checkpoint.elapsed_time)
     mean_loss = checkpoint.mean_loss if checkpoint.mean_loss is not None else checkpoint.loss
-    grads_norm, weights_norm = to_host(
-        _global_norms(checkpoint.grads, checkpoint.model_params)
-    )
+    grads_norm, weights_norm = to_host(_global_norms(checkpoint.grads, checkpoint.model_params))
     return {
         "loss": float(mean_loss),
         "last_loss": float(checkpoint.loss),
@@ -56,12 +54,10 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
 
 @jax.jit
 def _global_norms(grads: Any, params: Any) -> tuple[jax.Array, jax.Array]:
-    return optax.global_norm(grads), optax.global_norm(params)
+    return optax.tree.norm(grads), optax.tree.norm(params)
 
 
-def summarize(
-    checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]
-) -> Summary:
+def summarize(checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]) -> Summary:
     r"""A summary of `checkpoint` with `metrics` under `group`.
 
     A summary given in is extended: its groups are kept and `group` is merged.
@@ -85,11 +81,11 @@ class EvalLoop:
         self,
         task: EvalTask,
         rnkey: Any,
-        n_steps: Optional[int] = 1,
-        collections: Optional[Mapping[str, Sequence[str]]] = None,
-        n_devices: Optional[int] = None,
+        n_steps: int | None = 1,
+        collections: Mapping[str, Sequence[str]] | None = None,
+        n_devices: int | None = None,
         *,
-        devices: Optional[Sequence[Any]] = None,
+        devices: Sequence[Any] | None = None,
         group: str = "eval",
     ) -> None:
         r"""Initializes the evaluation loop.
@@ -129,12 +125,13 @@ class EvalLoop:
         self._key = as_typed_key(rnkey)
         self._labels = labels_of(dict(collections or {}), "apply")
         self._placement = Placement(devices)
-        self._stream: Optional[Iterator[Any]] = None
-        self._batch_size: Optional[int] = None
+        self._stream: Iterator[Any] | None = None
+        self._batch_size: int | None = None
+        self._used_iterator = False
         self._evaluate = jax.jit(self._accumulate)
 
     @property
-    def n_steps(self) -> Optional[int]:
+    def n_steps(self) -> int | None:
         r"""batches per evaluation; `None` for a whole pass."""
         return self._n_steps
 
@@ -152,7 +149,7 @@ class EvalLoop:
             {"params": checkpoint.model_params, **dict(checkpoint.model_state)}
         )
         step_key = jax.random.fold_in(self._key, int(checkpoint.step))
-        totals: Optional[Totals] = None
+        totals: Totals | None = None
         in_flight: deque[jax.Array] = deque()
         for index, batch in enumerate(self._batches()):
             inputs, targets, mask = self._pad(batch)
@@ -177,16 +174,18 @@ class EvalLoop:
 
     def _batches(self) -> Iterator[Batch]:
         if self._n_steps is None:
-            data = self._task.data
-            source = data() if callable(data) and not hasattr(data, "__iter__") else data
+            data: Any = self._task.data
+            fresh = callable(data) and not hasattr(data, "__iter__")
+            source = data() if fresh else data
             stream = iter(source)
-            if stream is source and getattr(self, "_used_iterator", False):
+            one_shot = stream is source and not fresh
+            if one_shot and self._used_iterator:
                 raise DataExhaustedError(
                     "EvalLoop(n_steps=None) was given an iterator, which a first "
                     "pass used up; give EvalTask a list or a function returning a "
                     "fresh iterator."
                 )
-            self._used_iterator = stream is source
+            self._used_iterator = one_shot
             for raw in stream:
                 yield normalize_batch(raw)
             return
@@ -217,11 +216,12 @@ class EvalLoop:
                 f"Every array of an eval batch needs the same leading batch axis; "
                 f"got shapes {[np.shape(leaf) for leaf in inputs + targets]}."
             )
-        size = sizes.pop()
+        size: int = sizes.pop()  # type: ignore[assignment]
         n = self._placement.n_local_devices
+        padded = -(-size // n) * n
         if self._batch_size is None:
-            self._batch_size = -(-size // n) * n
-        padded = max(self._batch_size, -(-size // n) * n)
+            self._batch_size = padded
+        padded = max(self._batch_size, padded)
 
         def pad(leaf: Any) -> Any:
             leaf = np.asarray(leaf)
@@ -232,7 +232,7 @@ class EvalLoop:
 
         mask = np.arange(padded) < size
         placed = tuple(map(pad, inputs)), tuple(map(pad, targets)), mask
-        return self._placement.shard_batch(placed)  # type: ignore[no-any-return]
+        return self._placement.shard_batch(placed)
 
     def _accumulate(
         self,

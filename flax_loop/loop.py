@@ -17,7 +17,8 @@ In a notebook, `loop.next_checkpoint()` runs to the next multiple (or to
 
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,12 +45,14 @@ from flax_loop.task import TrainTask
 
 InitFn = Callable[..., Any]
 
+DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
+r"""every collection but `intermediates` may change while training."""
+
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ConfigError(
-            f"{name} must be an integer >= {minimum}; got {value!r} "
-            f"of type {type(value).__name__}."
+            f"{name} must be an integer >= {minimum}; got {value!r} of type {type(value).__name__}."
         )
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}; got {value}.")
@@ -57,9 +60,7 @@ def _check_count(name: str, value: Any, minimum: int) -> int:
 
 
 def _check_task(task: Any) -> TrainTask:
-    missing = [
-        name for name in ("apply", "optimizer", "loss", "data") if not hasattr(task, name)
-    ]
+    missing = [name for name in ("apply", "optimizer", "loss", "data") if not hasattr(task, name)]
     if missing:
         raise ConfigError(
             f"task must be a TrainTask(apply, optimizer, loss, data); got "
@@ -67,19 +68,17 @@ def _check_task(task: Any) -> TrainTask:
         )
     for name in ("apply", "loss"):
         if not callable(getattr(task, name)):
-            raise ConfigError(
-                f"task.{name} must be callable; got {getattr(task, name)!r}."
-            )
+            raise ConfigError(f"task.{name} must be callable; got {getattr(task, name)!r}.")
     optimizer = task.optimizer
-    if not (callable(getattr(optimizer, "init", None)) and callable(
-        getattr(optimizer, "update", None)
-    )):
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
         raise ConfigError(
             f"task.optimizer must be an optax.GradientTransformation (with init "
             f"and update), such as optax.adam(1e-3); got {optimizer!r} of type "
             f"{type(optimizer).__name__}."
         )
-    return task  # type: ignore[no-any-return]
+    return task
 
 
 class TrainLoop:
@@ -99,15 +98,15 @@ class TrainLoop:
 
     def __init__(
         self,
-        init: Union[InitFn, CheckpointFileReader],
+        init: InitFn | CheckpointFileReader,
         task: TrainTask,
         rnkey: Any,
         input_sample: Any = None,
         n_steps_per_checkpoint: int = 1,
         n_steps: int = 0,
-        collections: Optional[Mapping[str, Sequence[str]]] = None,
-        mutable_collections: CollectionFilter = DenyList("intermediates"),
-        devices: Optional[Sequence[Any]] = None,
+        collections: Mapping[str, Sequence[str]] | None = None,
+        mutable_collections: CollectionFilter = DEFAULT_MUTABLE_COLLECTIONS,
+        devices: Sequence[Any] | None = None,
         stdout: bool = True,
         *,
         nonfinite: str = "raise",
@@ -149,9 +148,7 @@ class TrainLoop:
             "n_steps_per_checkpoint", n_steps_per_checkpoint, 1
         )
         if nonfinite not in NONFINITE_MODES:
-            raise ConfigError(
-                f"nonfinite must be one of {NONFINITE_MODES}; got {nonfinite!r}."
-            )
+            raise ConfigError(f"nonfinite must be one of {NONFINITE_MODES}; got {nonfinite!r}.")
         task = _check_task(task)
         if collections is None:
             collections = {}
@@ -164,8 +161,7 @@ class TrainLoop:
         init_fn = reader.target if reader is not None else init
         if not callable(init_fn):
             raise ConfigError(
-                f"init must be a model's init function or a CheckpointFileReader; "
-                f"got {init_fn!r}."
+                f"init must be a model's init function or a CheckpointFileReader; got {init_fn!r}."
             )
         self._stdout = stdout
         self._nonfinite = nonfinite
@@ -179,7 +175,7 @@ class TrainLoop:
                 f"task.data must be an iterator or iterable of batches; got "
                 f"{type(task.data).__name__}."
             ) from error
-        self._pending: Optional[Batch] = self._first_batch()
+        self._pending: Batch | None = self._first_batch()
         self._spec = BatchSpec.of(self._pending)
         self._spec.check_batch_axis(self._placement.n_local_devices)
         self._exhausted = False
@@ -193,7 +189,10 @@ class TrainLoop:
         if nonfinite == "skip":
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=2**31 - 1)
         params, model_state = _initialize(
-            init_fn, _init_key(key), inputs, labels_of(collections, "init"),
+            init_fn,
+            _init_key(key),
+            inputs,
+            labels_of(collections, "init"),
             mutable_collections,
         )
         optimizer_state = _init_optimizer(optimizer, params)
@@ -214,9 +213,7 @@ class TrainLoop:
                 if loaded.rnkey is not None:
                     key = loaded.rnkey
                 self._restore_data_state(loaded.data_state)
-                console.log(
-                    f"Resumed from step {step} of {reader.dir}.", stdout=stdout
-                )
+                console.log(f"Resumed from step {step} of {reader.dir}.", stdout=stdout)
         self._step = step
         self._key = key
         self._replicated_key = self._placement.replicate(_train_key(key))
@@ -226,12 +223,19 @@ class TrainLoop:
 
         axis_name = "data" if self._placement.n_devices > 1 else None
         update = build_update(
-            task.apply, task.loss, optimizer, labels_of(collections, "apply"),
-            mutable_collections, axis_name,
+            task.apply,
+            task.loss,
+            optimizer,
+            labels_of(collections, "apply"),
+            mutable_collections,
+            axis_name,
         )
         sample = self._pending if self._pending is not None else self._peek_for_compile()
         self._update = compile_update(
-            update, self._placement, self._state, self._place_batch(sample),
+            update,
+            self._placement,
+            self._state,
+            self._place_batch(sample),
             self._replicated_key,
         )
         self._depth = self._placement.dispatch_depth
@@ -315,7 +319,7 @@ class TrainLoop:
 
     # Internals.
 
-    def _run(self, target: Optional[int]) -> Iterator[Checkpoint]:
+    def _run(self, target: int | None) -> Iterator[Checkpoint]:
         while True:
             stop = self._n_steps if target is None else target
             if self._step >= stop or self._exhausted:
@@ -325,12 +329,12 @@ class TrainLoop:
                 return
             yield checkpoint
 
-    def _boundary(self, target: Optional[int]) -> int:
+    def _boundary(self, target: int | None) -> int:
         every = self._n_steps_per_checkpoint
         boundary = (self._step // every + 1) * every
         return boundary if target is None else min(boundary, target)
 
-    def _require(self, checkpoint: Optional[Checkpoint]) -> Checkpoint:
+    def _require(self, checkpoint: Checkpoint | None) -> Checkpoint:
         if checkpoint is None:
             raise DataExhaustedError(
                 f"The data stream has no batch left after step {self._step}; "
@@ -366,7 +370,7 @@ class TrainLoop:
                 stdout=True,
             )
 
-    def _next_batch(self) -> Optional[Batch]:
+    def _next_batch(self) -> Batch | None:
         if self._pending is not None:
             batch, self._pending = self._pending, None
             return batch
@@ -383,7 +387,7 @@ class TrainLoop:
             return self._placement.shard_batch(batch)
         return batch
 
-    def _run_interval(self, boundary: int) -> Optional[Checkpoint]:
+    def _run_interval(self, boundary: int) -> Checkpoint | None:
         r"""Runs steps up to `boundary`; `None` if the stream ran dry first."""
         started = time.perf_counter()
         in_flight: deque[jax.Array] = deque()
@@ -409,9 +413,7 @@ class TrainLoop:
         elapsed = time.perf_counter() - started
         return self._checkpoint(loss, n_completed, elapsed)
 
-    def _checkpoint(
-        self, loss: jax.Array, n_completed: int, elapsed: float
-    ) -> Checkpoint:
+    def _checkpoint(self, loss: jax.Array, n_completed: int, elapsed: float) -> Checkpoint:
         state = self._state
         last_loss, loss_sum, n_nonfinite, first_bad = to_host(
             (loss, state.loss_sum, state.n_nonfinite, state.first_nonfinite_step)
@@ -488,7 +490,7 @@ def _initialize(
             f"Module's init does); got {type(variables).__name__} "
             f"{list(variables) if isinstance(variables, Mapping) else ''}."
         )
-    variables = unfreeze(variables)
+    variables = unfreeze(variables)  # type: ignore[arg-type]
     params = variables.pop("params")
     return params, variables
 

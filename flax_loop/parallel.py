@@ -5,7 +5,8 @@ replicated state is laid out with `PartitionSpec()`, batches are split along
 their first axis with `PartitionSpec("data")`.
 """
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ class Placement:
     >>> batch = placement.shard_batch(batch)        # first axis split across them
     """
 
-    def __init__(self, devices: Optional[Sequence[Any]] = None) -> None:
+    def __init__(self, devices: Sequence[Any] | None = None) -> None:
         if devices is None:
             devices = jax.devices()
         devices = list(devices)
@@ -102,9 +103,7 @@ class Placement:
         if not self.multiprocess:
             return jax.device_put(tree, self.batch_sharding)
         return jax.tree.map(
-            lambda leaf: jax.make_array_from_process_local_data(
-                self.batch_sharding, leaf
-            ),
+            lambda leaf: jax.make_array_from_process_local_data(self.batch_sharding, leaf),
             tree,
         )
 

@@ -6,7 +6,8 @@ never splits keys per step and a resumed run draws the same numbers as one
 that never stopped.
 """
 
-from typing import Any, Iterator, Mapping, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -28,10 +29,8 @@ def as_typed_key(key: Any) -> jax.Array:
     dtype = getattr(key, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         if getattr(key, "shape", None) != ():
-            raise ConfigError(
-                f"rnkey must be a single key; got a key array of shape {key.shape}."
-            )
-        return key  # type: ignore[no-any-return]
+            raise ConfigError(f"rnkey must be a single key; got a key array of shape {key.shape}.")
+        return key
     if dtype is not None and np.dtype(dtype) == np.uint32 and np.shape(key) == (2,):
         return jax.random.wrap_key_data(key)
     raise ConfigError(
@@ -52,7 +51,7 @@ def into_collection(key: jax.Array, labels: Sequence[str]) -> dict[str, jax.Arra
 def step_keys(
     key: jax.Array,
     step: jax.Array,
-    device_index: Union[int, jax.Array],
+    device_index: int | jax.Array,
     labels: Sequence[str],
 ) -> dict[str, jax.Array]:
     r"""Keys of one step on one device, derived on the device.
@@ -83,7 +82,7 @@ def into_sequence(key: Any) -> KeyGenerator:
         yield fresh
 
 
-def sequence(seed: int, num: int = 1) -> Union[KeyGenerator, list[KeyGenerator]]:
+def sequence(seed: int, num: int = 1) -> KeyGenerator | list[KeyGenerator]:
     r"""Creates `num` independent key generators from an integer seed.
 
     >>> rnkeyg = sequence(seed=0)
@@ -108,7 +107,7 @@ def key_data(key: jax.Array) -> tuple[str, np.ndarray]:
 
 def key_from_data(impl: str, data: np.ndarray) -> jax.Array:
     r"""Rebuilds a typed key from `key_data`'s output."""
-    return jax.random.wrap_key_data(np.asarray(data, dtype=np.uint32), impl=impl)
+    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
 
 
 def labels_of(collections: Mapping[str, Sequence[str]], kind: str) -> list[str]:

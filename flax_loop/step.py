@@ -7,7 +7,8 @@ same optimizer update to its replica. On one device the same code runs
 under a plain `jax.jit`, without collectives (`shard_map` costs ~11% there).
 """
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,7 @@ def _check_loss(loss: Any) -> jax.Array:
             "floating point (e.g. optax.softmax_cross_entropy_with_integer_labels"
             "(...).mean())."
         )
-    return loss  # type: ignore[no-any-return]
+    return loss
 
 
 def _pmean_floating(tree: Any, axis_name: str) -> Any:
@@ -116,7 +117,7 @@ def build_update(
     optimizer: optax.GradientTransformation,
     rng_labels: Sequence[str],
     mutable_collections: CollectionFilter,
-    axis_name: Optional[str],
+    axis_name: str | None,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, jax.Array]]:
     r"""The update of one step, as seen by one device.
 
@@ -139,9 +140,7 @@ def build_update(
         inputs, targets = batch
         variables = {"params": params, **model_state}
         if mutable:
-            outputs, mutated = apply(
-                variables, *inputs, rngs=rngs, mutable=mutable_collections
-            )
+            outputs, mutated = apply(variables, *inputs, rngs=rngs, mutable=mutable_collections)
             mutated = {k: v for k, v in dict(mutated).items() if k != "params"}
         else:
             outputs, mutated = apply(variables, *inputs, rngs=rngs), {}
@@ -151,15 +150,11 @@ def build_update(
 
     gradient = jax.value_and_grad(forward, has_aux=True)
 
-    def update(
-        state: TrainState, batch: Batch, key: jax.Array
-    ) -> tuple[TrainState, jax.Array]:
+    def update(state: TrainState, batch: Batch, key: jax.Array) -> tuple[TrainState, jax.Array]:
         step = state.step + 1
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
         rngs = step_keys(key, step, device_index, rng_labels)
-        (loss_value, mutated), grads = gradient(
-            state.model_params, state.model_state, batch, rngs
-        )
+        (loss_value, mutated), grads = gradient(state.model_params, state.model_state, batch, rngs)
         if axis_name:
             loss_value, grads = jax.lax.pmean((loss_value, grads), axis_name)
             mutated = _pmean_floating(mutated, axis_name)
@@ -223,4 +218,4 @@ def compile_update(
         donate_argnums=0,
         out_shardings=(placement.replicated, placement.replicated),
     )
-    return jitted.lower(state, batch, key).compile()  # type: ignore[no-any-return]
+    return jitted.lower(state, batch, key).compile()

@@ -1,7 +1,8 @@
 r"""Descriptions of what to train and how to evaluate: data, never behaviour."""
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import optax
 

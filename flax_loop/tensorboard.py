@@ -5,7 +5,8 @@ Install the extra: `pip install "flax_loop[tensorboard]"` (no TensorFlow).
 
 import atexit
 import os
-from typing import Any, Optional
+import time
+from typing import Any
 
 from flax_loop.checkpoint._checkpoint import Summary
 from flax_loop.console import is_main_process
@@ -25,22 +26,22 @@ class SummaryWriter:
 
     def __init__(self, output_dir: str) -> None:
         if not isinstance(output_dir, (str, os.PathLike)):
-            raise ConfigError(
-                f"output_dir must be a path; got {type(output_dir).__name__}."
-            )
+            raise ConfigError(f"output_dir must be a path; got {type(output_dir).__name__}.")
         self.output_dir = os.fspath(output_dir)
-        self._writer: Optional[Any] = None
+        self._writer: Any | None = None
 
     def _open(self) -> Any:
         if self._writer is None:
             try:
-                from tensorboardX import SummaryWriter as EventWriter
+                from tensorboardX.event_file_writer import EventsWriter
             except ImportError as error:
                 raise ConfigError(
-                    "SummaryWriter needs tensorboardX: pip install "
-                    '"flax_loop[tensorboard]".'
+                    'SummaryWriter needs tensorboardX: pip install "flax_loop[tensorboard]".'
                 ) from error
-            self._writer = EventWriter(logdir=self.output_dir)
+            os.makedirs(self.output_dir, exist_ok=True)
+            # The synchronous writer: tensorboardX's SummaryWriter queues events
+            # for a thread, and its flush() does not wait for that queue.
+            self._writer = EventsWriter(os.path.join(self.output_dir, "events"))
             atexit.register(self.close)
         return self._writer
 
@@ -54,9 +55,20 @@ class SummaryWriter:
         if not is_main_process():
             return summary
         writer = self._open()
-        for group, metrics in summary.metrics.items():
-            for name, value in metrics.items():
-                writer.add_scalar(f"{group}/{name}", float(value), summary.step)
+        from tensorboardX.proto import event_pb2, summary_pb2
+
+        values = [
+            summary_pb2.Summary.Value(tag=f"{group}/{name}", simple_value=float(value))
+            for group, metrics in summary.metrics.items()
+            for name, value in metrics.items()
+        ]
+        writer.write_event(
+            event_pb2.Event(
+                wall_time=time.time(),
+                step=int(summary.step),
+                summary=summary_pb2.Summary(value=values),
+            )
+        )
         writer.flush()
         return summary
 

@@ -1,6 +1,7 @@
 """Models, data and streams shared by the tests."""
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -88,8 +89,7 @@ def leaves_close(a: Any, b: Any, rtol: float) -> float:
 
     diffs = jax.tree.map(
         lambda u, v: float(
-            np.max(np.abs(np.asarray(u) - np.asarray(v)))
-            / (np.max(np.abs(np.asarray(v))) + 1e-12)
+            np.max(np.abs(np.asarray(u) - np.asarray(v))) / (np.max(np.abs(np.asarray(v))) + 1e-12)
         ),
         a,
         b,

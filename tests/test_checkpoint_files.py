@@ -53,7 +53,9 @@ def files(directory):
 
 
 def assert_trees_equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b))
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)
+    )
 
 
 def initializer_of(loop_params, loop):
@@ -122,7 +124,11 @@ def _garbage_header(path):
 
 @pytest.mark.parametrize(
     "damage, reason",
-    [(_truncate, "truncated"), (_flip_array_byte, "checksum"), (_garbage_header, "not a flax_loop")],
+    [
+        (_truncate, "truncated"),
+        (_flip_array_byte, "checksum"),
+        (_garbage_header, "not a flax_loop"),
+    ],
     ids=["truncated", "flipped-byte", "garbage-header"],
 )
 def test_damaged_newest_file_falls_back_to_previous(tmp_path, damage, reason, capsys):
@@ -245,9 +251,12 @@ def test_best_metric_writers_keep_the_right_file_across_a_restart(tmp_path):
     lowest_file = LowestCheckpointFileReader(dir=directory, target=None, metric="loss")(initializer)
     assert lowest_file.step == 10
     # Only "loss" files match "loss", not "loss_sum" ones, and vice versa.
-    assert LowestCheckpointFileReader(dir=directory, target=None, metric="loss_sum")(
-        initializer
-    ).metrics["eval"]["loss_sum"] == 1.0
+    assert (
+        LowestCheckpointFileReader(dir=directory, target=None, metric="loss_sum")(
+            initializer
+        ).metrics["eval"]["loss_sum"]
+        == 1.0
+    )
 
 
 def test_best_writer_names_a_missing_metric(tmp_path):
@@ -260,14 +269,19 @@ def test_best_writer_names_a_missing_metric(tmp_path):
 
 def run_worker(directory, n_steps, out=None, devices=4, extra=()):
     command = [
-        sys.executable, "-m", "tests.resume_worker", str(directory),
-        "--n-steps", str(n_steps), "--devices", str(devices), *extra,
+        sys.executable,
+        "-m",
+        "tests.resume_worker",
+        str(directory),
+        "--n-steps",
+        str(n_steps),
+        "--devices",
+        str(devices),
+        *extra,
     ]
     if out:
         command += ["--out", str(out)]
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -63,7 +63,11 @@ def test_four_devices_compute_what_one_device_computes(optimizer):
 def test_mlp_learns_digits_to_95_percent():
     model = MLP(features=(128,))
     loop = make_loop(
-        4, optax.adam(3e-3), model=model, n_steps=400, n_steps_per_checkpoint=400,
+        4,
+        optax.adam(3e-3),
+        model=model,
+        n_steps=400,
+        n_steps_per_checkpoint=400,
         data=batches(X_TRAIN, Y_TRAIN, 64),
     )
     (checkpoint,) = list(loop)
@@ -209,7 +213,11 @@ def test_exhausted_stream_in_a_list():
 def test_input_sample_none_trains_on_the_first_batch():
     data = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 5))
     with_sample = make_loop(
-        1, data=list(data), input_sample=X_TRAIN[:1], n_steps=5, n_steps_per_checkpoint=5,
+        1,
+        data=list(data),
+        input_sample=X_TRAIN[:1],
+        n_steps=5,
+        n_steps_per_checkpoint=5,
         optimizer=optax.sgd(0.1),
     )
     without = make_loop(
@@ -284,7 +292,10 @@ def loop_first_loss(model, loss):
 def test_two_thousand_steps_on_four_devices_in_one_interval():
     small = MLP(features=(16,))
     loop = make_loop(
-        4, model=small, optimizer=optax.sgd(0.05), n_steps=2000,
+        4,
+        model=small,
+        optimizer=optax.sgd(0.05),
+        n_steps=2000,
         n_steps_per_checkpoint=2000,
     )
     (checkpoint,) = list(loop)

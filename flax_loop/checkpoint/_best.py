@@ -2,7 +2,7 @@ r"""Keeping the checkpoint with the lowest or highest value of a metric."""
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from flax_loop import console
 from flax_loop.checkpoint._checkpoint import Summary
@@ -48,14 +48,12 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
         metric: str,
         group: str = "eval",
         stdout: bool = True,
-        output_dir: Optional[str] = None,
+        output_dir: str | None = None,
         keep: int = 1,
         overwrite: bool = True,
     ) -> None:
         if output_dir is None:
-            raise ConfigError(
-                f"{type(self).__name__} needs output_dir, the directory to write to."
-            )
+            raise ConfigError(f"{type(self).__name__} needs output_dir, the directory to write to.")
         for name, value in (("metric", metric), ("group", group)):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
@@ -71,8 +69,7 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
                 stored.get("metrics") or {}, group, metric, str(stored.get("path"))
             )
         console.log(
-            f"The {self._kind} value of {group}/{metric} so far is "
-            f"{self._best_metric:.8g}.",
+            f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}.",
             stdout=stdout,
         )
 

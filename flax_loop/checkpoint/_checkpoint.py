@@ -1,7 +1,8 @@
 r"""The training state handed to the caller, and the same with metrics."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import jax
 
@@ -54,7 +55,7 @@ class Checkpoint:
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
 
-    rnkey: Optional[jax.Array] = field(default=None, kw_only=True, repr=False)
+    rnkey: jax.Array | None = field(default=None, kw_only=True, repr=False)
     r"""the run's key, kept so a checkpoint file resumes the same random stream."""
 
     data_state: Any = field(default=None, kw_only=True, repr=False)

@@ -5,7 +5,7 @@ import re
 import secrets
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,7 +47,7 @@ class CheckpointFile:
     version: int = _format.FORMAT_VERSION
     r"""the file format version."""
 
-    rnkey: Optional[jax.Array] = field(default=None, repr=False)
+    rnkey: jax.Array | None = field(default=None, repr=False)
     r"""the run's key, so a resumed run draws the same random numbers."""
 
     data_state: Any = field(default=None, repr=False)
@@ -95,9 +95,7 @@ def _metrics_to_file(metrics: Any) -> dict[str, dict[str, float]]:
     }
 
 
-def save(
-    directory: str, prefix: str, file: CheckpointFile, fsync: bool = True
-) -> str:
+def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) -> str:
     r"""Writes `file` atomically as `directory/prefix<step>.ckpt`.
 
     The bytes go to a temporary file in the same directory, which is flushed,
@@ -153,7 +151,7 @@ def load(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return _format.read(path)
 
 
-def restore_key(meta: dict[str, Any]) -> Optional[jax.Array]:
+def restore_key(meta: dict[str, Any]) -> jax.Array | None:
     entry = meta.get("rnkey")
     if not isinstance(entry, dict):
         return None

@@ -16,7 +16,8 @@ nothing in a file is ever executed when it is read.
 import os
 import struct
 import zlib
-from typing import Any, BinaryIO, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import jax
 import ml_dtypes
@@ -37,8 +38,20 @@ _CHUNK = 16 << 20
 _DTYPES = {
     name: np.dtype(name)
     for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-        "uint64", "float16", "float32", "float64", "complex64", "complex128",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
     )
 }
 _DTYPES.update(
@@ -76,7 +89,7 @@ def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
     def store(leaf: Any) -> msgpack.ExtType:
         nonlocal offset
         array = _host_leaf(leaf)
-        view = memoryview(array.reshape(-1).view(np.uint8))
+        view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         checksum = 0
         for start in range(0, len(view), _CHUNK):
             chunk = view[start : start + _CHUNK]
@@ -113,9 +126,7 @@ def _map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, dict):
         for key in tree:
             if not isinstance(key, str):
-                raise CheckpointError(
-                    f"Checkpoint trees need string keys; got key {key!r}."
-                )
+                raise CheckpointError(f"Checkpoint trees need string keys; got key {key!r}.")
         return {key: _map_leaves(value, fn) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
         return [_map_leaves(value, fn) for value in tree]
@@ -208,7 +219,9 @@ def _read_array(
 ) -> np.ndarray:
     dtype = _DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
     shape = entry.get("shape")
-    offset, nbytes, checksum = entry.get("offset"), entry.get("nbytes"), entry.get("crc32")
+    offset: Any = entry.get("offset")
+    nbytes: Any = entry.get("nbytes")
+    checksum: Any = entry.get("crc32")
     ints = (offset, nbytes, checksum)
     if (
         dtype is None
@@ -227,13 +240,12 @@ def _read_array(
         )
     array = np.empty(shape, dtype)
     stream.seek(offset)
-    view = memoryview(array.reshape(-1).view(np.uint8))
+    view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     if stream.readinto(view) != nbytes:  # type: ignore[attr-defined]
         raise CheckpointCorruptError(f"{path} is truncated inside array {index}.")
     if zlib.crc32(view) != checksum:
         raise CheckpointCorruptError(
-            f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) fails its "
-            "checksum."
+            f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) fails its checksum."
         )
     return array
 
@@ -246,7 +258,7 @@ def _array_index(path: str, code: int, data: bytes, n_arrays: int) -> int:
         raise CheckpointCorruptError(
             f"{path} is damaged: reference to array {index} of {n_arrays}."
         )
-    return index  # type: ignore[no-any-return]
+    return int(index)
 
 
 def _resolve(tree: Any, resolve: Callable[[int, bytes], Any]) -> Any:

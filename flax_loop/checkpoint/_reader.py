@@ -1,7 +1,8 @@
 r"""Reading the newest intact checkpoint file of a directory."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import jax
 import numpy as np
@@ -65,8 +66,8 @@ class CheckpointFileReader:
         return REGULAR_PREFIX
 
     def read(
-        self, initializer: Optional[CheckpointFile], prefix: Optional[str] = None
-    ) -> Union[CheckpointFile, dict[str, Any], None]:
+        self, initializer: CheckpointFile | None, prefix: str | None = None
+    ) -> CheckpointFile | dict[str, Any] | None:
         r"""Reads the newest intact file with `prefix`.
 
         Without an initializer, returns the file's raw contents as a dict
@@ -85,9 +86,7 @@ class CheckpointFileReader:
             return {**tree, **meta, "path": path}
         return _restore(path, tree, meta, initializer)
 
-    def _read_newest(
-        self, prefix: str
-    ) -> Optional[tuple[str, dict[str, Any], dict[str, Any]]]:
+    def _read_newest(self, prefix: str) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
         candidates = list_steps(self.dir, prefix)
         problems = []
         for _, path in candidates:
@@ -104,9 +103,10 @@ class CheckpointFileReader:
                 continue
             return path, tree, meta
         if candidates:
+            reasons = "; ".join(problem.rstrip(".") for problem in problems)
             raise CheckpointCorruptError(
                 f"Every checkpoint file in {self.dir!r} is damaged, so none was "
-                f"loaded and none was removed ({'; '.join(p.rstrip('.') for p in problems)}). Move them "
+                f"loaded and none was removed ({reasons}). Move them "
                 "away to start afresh."
             )
         return None
@@ -124,9 +124,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
 def _restore(
     path: str, tree: dict[str, Any], meta: dict[str, Any], initializer: CheckpointFile
 ) -> CheckpointFile:
-    expected = {
-        part: serialization.to_state_dict(getattr(initializer, part)) for part in _PARTS
-    }
+    expected = {part: serialization.to_state_dict(getattr(initializer, part)) for part in _PARTS}
     want = _flatten(expected)
     have = _flatten({part: tree.get(part, {}) for part in _PARTS})
     if want != have:
@@ -134,8 +132,7 @@ def _restore(
         for name in sorted(set(want) | set(have)):
             if want.get(name) != have.get(name):
                 lines.append(
-                    f"{name}: model {want.get(name, 'absent')}, file "
-                    f"{have.get(name, 'absent')}"
+                    f"{name}: model {want.get(name, 'absent')}, file {have.get(name, 'absent')}"
                 )
         shown = "; ".join(lines[:12]) + (f"; and {len(lines) - 12} more" if len(lines) > 12 else "")
         raise CheckpointMismatchError(

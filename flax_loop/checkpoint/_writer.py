@@ -2,7 +2,7 @@ r"""Writing checkpoints to files, keeping the newest `keep` of them."""
 
 import os
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from flax_loop import console
 from flax_loop.checkpoint import _file
@@ -38,9 +38,7 @@ class CheckpointFileWriter:
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"keep must be an integer >= 1; got {self.keep!r}.")
         if not isinstance(self.output_dir, (str, os.PathLike)):
-            raise ConfigError(
-                f"output_dir must be a path; got {type(self.output_dir).__name__}."
-            )
+            raise ConfigError(f"output_dir must be a path; got {type(self.output_dir).__name__}.")
         self.output_dir = os.fspath(self.output_dir)
         self._cleaned = False
 
@@ -52,8 +50,8 @@ class CheckpointFileWriter:
         return REGULAR_PREFIX
 
     def write(
-        self, checkpoint: Union[Checkpoint, Summary], prefix: Union[str, None] = None
-    ) -> Union[Checkpoint, Summary]:
+        self, checkpoint: Checkpoint | Summary, prefix: str | None = None
+    ) -> Checkpoint | Summary:
         r"""Writes `checkpoint` under `prefix` and prunes older files.
 
         Raises:
