@@ -39,6 +39,7 @@ from flax_loop.errors import (
     NonFiniteError,
 )
 from flax_loop.parallel import Placement, to_host
+from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, into_collection, labels_of
 from flax_loop.step import NONFINITE_MODES, TrainState, build_update, compile_update
 from flax_loop.task import TrainTask
@@ -110,6 +111,7 @@ class TrainLoop:
         stdout: bool = True,
         *,
         nonfinite: str = "raise",
+        progress: bool = False,
     ) -> None:
         r"""Initializes the model and the optimizer and compiles the update.
 
@@ -135,6 +137,9 @@ class TrainLoop:
                 (a `NonFiniteError` naming the first bad step, raised at the
                 next checkpoint) or "skip" (the update is not applied, using
                 `optax.apply_if_finite`).
+            progress: whether to show a progress bar (step, steps/s, ETA and
+                the latest checkpoint's loss); plain lines when stdout is not
+                a terminal. It never waits for the devices.
 
         Raises:
             ConfigError: for an invalid argument.
@@ -165,6 +170,9 @@ class TrainLoop:
             )
         self._stdout = stdout
         self._nonfinite = nonfinite
+        self._report = (
+            ProgressReport(console.console()) if progress and console.is_main_process() else None
+        )
         self._placement = Placement(devices)
         key = as_typed_key(rnkey)
 
@@ -284,7 +292,7 @@ class TrainLoop:
     def __next__(self) -> Checkpoint:
         if self._step >= self._n_steps or self._exhausted:
             raise StopIteration
-        checkpoint = self._run_interval(self._boundary(self._n_steps))
+        checkpoint = self._run_alone(self._boundary(self._n_steps))
         if checkpoint is None:
             raise StopIteration
         return checkpoint
@@ -299,7 +307,7 @@ class TrainLoop:
             DataExhaustedError: if the data stream has no batch left.
         """
         target = self._n_steps if self._step < self._n_steps else None
-        return self._require(self._run_interval(self._boundary(target)))
+        return self._require(self._run_alone(self._boundary(target)))
 
     def next_step(self) -> Checkpoint:
         r"""Runs one step and returns its checkpoint.
@@ -307,7 +315,7 @@ class TrainLoop:
         Raises:
             DataExhaustedError: if the data stream has no batch left.
         """
-        return self._require(self._run_interval(self._step + 1))
+        return self._require(self._run_alone(self._step + 1))
 
     def run(self, n_steps: int) -> Iterator[Checkpoint]:
         r"""Yields the checkpoints up to step `n_steps` (an absolute step number).
@@ -320,14 +328,25 @@ class TrainLoop:
     # Internals.
 
     def _run(self, target: int | None) -> Iterator[Checkpoint]:
-        while True:
-            stop = self._n_steps if target is None else target
-            if self._step >= stop or self._exhausted:
-                return
-            checkpoint = self._run_interval(self._boundary(stop))
-            if checkpoint is None:
-                return
-            yield checkpoint
+        try:
+            while True:
+                stop = self._n_steps if target is None else target
+                if self._step >= stop or self._exhausted:
+                    return
+                checkpoint = self._run_interval(self._boundary(stop), total=stop)
+                if checkpoint is None:
+                    return
+                yield checkpoint
+        finally:
+            if self._report is not None:
+                self._report.stop()
+
+    def _run_alone(self, boundary: int) -> Checkpoint | None:
+        try:
+            return self._run_interval(boundary, total=boundary)
+        finally:
+            if self._report is not None:
+                self._report.stop()
 
     def _boundary(self, target: int | None) -> int:
         every = self._n_steps_per_checkpoint
@@ -387,8 +406,11 @@ class TrainLoop:
             return self._placement.shard_batch(batch)
         return batch
 
-    def _run_interval(self, boundary: int) -> Checkpoint | None:
+    def _run_interval(self, boundary: int, total: int) -> Checkpoint | None:
         r"""Runs steps up to `boundary`; `None` if the stream ran dry first."""
+        report = self._report
+        if report is not None and not report.active:
+            report.start(self._step, total)
         started = time.perf_counter()
         in_flight: deque[jax.Array] = deque()
         loss = None
@@ -406,12 +428,17 @@ class TrainLoop:
             in_flight.append(loss)
             if len(in_flight) > self._depth:
                 in_flight.popleft().block_until_ready()
+            if report is not None:
+                report.advance(self._step)
         if n_completed == 0:
             return None
         assert loss is not None
         loss.block_until_ready()
         elapsed = time.perf_counter() - started
-        return self._checkpoint(loss, n_completed, elapsed)
+        checkpoint = self._checkpoint(loss, n_completed, elapsed)
+        if report is not None:
+            report.checkpoint(self._step, checkpoint.loss)
+        return checkpoint
 
     def _checkpoint(self, loss: jax.Array, n_completed: int, elapsed: float) -> Checkpoint:
         state = self._state

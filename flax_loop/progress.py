@@ -1,0 +1,115 @@
+r"""Training progress: a rich bar in terminals and Jupyter, plain lines in logs.
+
+The bar counts dispatched steps, which the host knows without asking the
+devices, so it never waits for them; the loss it shows is the latest
+checkpoint's. Only process 0 shows it.
+"""
+
+import time
+from datetime import timedelta
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
+
+BAR_REFRESH_SECONDS = 0.25
+LINE_REFRESH_SECONDS = 30.0
+
+
+class ProgressReport:
+    r"""Progress of a training loop, updated cheaply from the step loop.
+
+    >>> report = ProgressReport(console)
+    >>> report.start(step=0, total=1000)
+    >>> report.advance(step)                      # every step; throttled
+    >>> report.checkpoint(step, loss=0.12)        # at every checkpoint
+    >>> report.stop()
+    """
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._live = console.is_terminal or console.is_jupyter
+        self._bar: Progress | None = None
+        self._task: int | None = None
+        self._total: int | None = None
+        self._loss: float | None = None
+        self._started_at = 0.0
+        self._started_step = 0
+        self._next_refresh = 0.0
+
+    @property
+    def active(self) -> bool:
+        r"""whether the report is showing."""
+        return self._task is not None or (not self._live and self._started_at > 0)
+
+    def start(self, step: int, total: int | None) -> None:
+        r"""Starts showing progress from `step` towards `total` (None: unknown)."""
+        self._total = total if total and total > step else None
+        self._started_at = time.perf_counter()
+        self._started_step = step
+        self._next_refresh = self._started_at + self._interval()
+        if self._live:
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[loss]}"),
+                console=self._console,
+                refresh_per_second=4,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(
+                "train", total=self._total, completed=step, rate="", loss=self._loss_text()
+            )
+
+    def _interval(self) -> float:
+        return BAR_REFRESH_SECONDS if self._live else LINE_REFRESH_SECONDS
+
+    def _loss_text(self) -> str:
+        return "" if self._loss is None else f"loss {self._loss:.4g}"
+
+    def _rate(self, step: int, now: float) -> float:
+        elapsed = now - self._started_at
+        return (step - self._started_step) / elapsed if elapsed > 0 else 0.0
+
+    def advance(self, step: int) -> None:
+        r"""Notes that `step` was dispatched; refreshes at most every interval."""
+        now = time.perf_counter()
+        if now >= self._next_refresh:
+            self._next_refresh = now + self._interval()
+            self._show(step, now)
+
+    def checkpoint(self, step: int, loss: float) -> None:
+        r"""Shows the latest checkpoint's step and loss."""
+        self._loss = loss
+        self._show(step, time.perf_counter(), line=True)
+
+    def _show(self, step: int, now: float, line: bool = False) -> None:
+        rate = self._rate(step, now)
+        if self._bar is not None and self._task is not None:
+            self._bar.update(
+                self._task, completed=step, rate=f"{rate:,.1f} steps/s", loss=self._loss_text()
+            )
+            return
+        if self._live:
+            return
+        parts = [f"step {step}" + (f"/{self._total}" if self._total else "")]
+        parts.append(f"{rate:,.1f} steps/s")
+        if self._total and rate > 0:
+            parts.append(f"ETA {timedelta(seconds=round((self._total - step) / rate))}")
+        if self._loss is not None:
+            parts.append(self._loss_text())
+        self._console.print(" · ".join(parts), highlight=False)
+
+    def stop(self) -> None:
+        r"""Stops showing progress (the bar stays on screen)."""
+        if self._bar is not None:
+            self._bar.stop()
+        self._bar, self._task, self._started_at = None, None, 0.0

@@ -1,0 +1,98 @@
+"""The progress report: plain lines in logs, a rich bar in terminals."""
+
+import io
+
+import jax
+import optax
+import pytest
+from rich.console import Console
+
+from flax_loop import TrainLoop, TrainTask, console
+from flax_loop.progress import ProgressReport
+from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+X_TRAIN, Y_TRAIN, _, _ = digits_split()
+
+
+def run_with_console(fake_console, **options):
+    console._console = fake_console
+    try:
+        model = MLP()
+        loop = TrainLoop(
+            init=model.init,
+            task=TrainTask(
+                model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)
+            ),
+            rnkey=jax.random.key(0),
+            stdout=False,
+            progress=True,
+            **options,
+        )
+        checkpoints = list(loop)
+    finally:
+        console._console = None
+    return checkpoints
+
+
+def test_plain_lines_when_not_a_terminal():
+    buffer = io.StringIO()
+    checkpoints = run_with_console(
+        Console(file=buffer, width=120, force_terminal=False, force_jupyter=False),
+        n_steps=30,
+        n_steps_per_checkpoint=10,
+    )
+    lines = [line for line in buffer.getvalue().splitlines() if line]
+    assert [line.split(" · ")[0] for line in lines] == ["step 10/30", "step 20/30", "step 30/30"]
+    last = lines[-1]
+    assert "steps/s" in last and f"loss {checkpoints[-1].loss:.4g}" in last
+    assert "ETA 0:00:00" in last
+
+
+def test_bar_in_a_terminal():
+    buffer = io.StringIO()
+    run_with_console(
+        Console(file=buffer, width=120, force_terminal=True, color_system=None),
+        n_steps=20,
+        n_steps_per_checkpoint=10,
+    )
+    out = buffer.getvalue()
+    assert "20/20" in out and "steps/s" in out and "train" in out
+
+
+def test_report_throttles_updates(monkeypatch):
+    clock = iter([0.0, 0.01, 0.02, 0.5, 0.6])
+    monkeypatch.setattr("flax_loop.progress.time.perf_counter", lambda: next(clock))
+    buffer = io.StringIO()
+    report = ProgressReport(Console(file=buffer, force_terminal=False))
+    shown = []
+    monkeypatch.setattr(report, "_show", lambda step, now, line=False: shown.append(step))
+    report.start(step=0, total=100)  # t=0.0; next refresh after 30 s of plain lines
+    for step in (1, 2, 3):
+        report.advance(step)
+    assert shown == []
+    report.checkpoint(4, loss=0.5)
+    assert shown == [4]
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_progress_does_not_change_results(progress):
+    model = MLP()
+
+    def final(progress):
+        console._console = Console(file=io.StringIO())
+        try:
+            loop = TrainLoop(
+                init=model.init,
+                task=TrainTask(
+                    model.apply, optax.sgd(0.1), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)
+                ),
+                rnkey=jax.random.key(0),
+                n_steps=5,
+                stdout=False,
+                progress=progress,
+            )
+            return list(loop)[-1].loss
+        finally:
+            console._console = None
+
+    assert final(progress) == final(not progress)
