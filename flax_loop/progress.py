@@ -13,6 +13,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
 )
@@ -35,7 +36,7 @@ class ProgressReport:
         self._console = console
         self._live = console.is_terminal or console.is_jupyter
         self._bar: Progress | None = None
-        self._task: int | None = None
+        self._task: TaskID | None = None
         self._total: int | None = None
         self._loss: float | None = None
         self._started_at = 0.0
