@@ -47,7 +47,8 @@ def _as_leaf(value: Any, where: str) -> Leaf:
         array = np.asarray(value)
     except Exception as error:  # np.asarray raises many types
         raise BatchError(
-            f"{where} of type {type(value).__name__} cannot be converted to an array: {error}."
+            f"{where} of type {type(value).__name__} cannot be converted to an "
+            f"array (ragged or mixed values?): {str(error).rstrip('.')}."
         ) from error
     if array.dtype == object:
         raise BatchError(

@@ -305,3 +305,27 @@ def test_plain_stream_resume_says_it_continues_from_its_position(tmp_path):
     out = " ".join(run_worker(tmp_path, 20, devices=1, extra=["--plain-stream"]).split())
     assert out.count("continues from its current position") == 1
     assert "DONE 20" in out
+
+
+def test_writing_holds_at_most_one_array_beyond_the_state(tmp_path):
+    import tracemalloc
+
+    from flax_loop import Checkpoint
+
+    leaf = 16 << 20  # 16 MiB per array, 64 MiB of parameters
+    params = {
+        f"layer{i}": jax.numpy.full((leaf // 4,), float(i), jax.numpy.float32) for i in range(4)
+    }
+    checkpoint = Checkpoint(params, {}, {}, {}, 0.0, 1, 0.0, 1)
+    jax.block_until_ready(params)
+    tracemalloc.start()
+    try:
+        CheckpointFileWriter(output_dir=str(tmp_path))(checkpoint)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.25 * leaf, f"peak {peak / 2**20:.1f} MiB while writing"
+    raw = CheckpointFileReader(dir=str(tmp_path), target=None).read(None)
+    np.testing.assert_array_equal(
+        raw["model_params"]["layer3"], np.full((leaf // 4,), 3.0, np.float32)
+    )

@@ -1,0 +1,106 @@
+"""Batch forms, normalization and validation."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import TrainLoop, TrainTask
+from flax_loop.batch import BatchSpec, normalize_batch
+from flax_loop.errors import BatchError
+from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+X_TRAIN, Y_TRAIN, _, _ = digits_split()
+x, y = np.zeros((8, 3), np.float32), np.zeros(8, np.int32)
+
+
+@pytest.mark.parametrize(
+    "batch, n_inputs, n_targets",
+    [
+        ((x, y), 1, 1),
+        ([x, y], 1, 1),
+        (((x, x), (y, y)), 2, 2),
+        ([[x, x], [y]], 2, 1),
+        (((x,), ()), 1, 0),
+        ((x, ()), 1, 0),
+        ((jnp.asarray(x), y.tolist()), 1, 1),
+    ],
+)
+def test_accepted_forms(batch, n_inputs, n_targets):
+    inputs, targets = normalize_batch(batch)
+    assert (len(inputs), len(targets)) == (n_inputs, n_targets)
+    assert all(leaf.shape[0] == 8 for leaf in inputs + targets)
+
+
+def test_float64_is_narrowed_like_jax():
+    inputs, targets = normalize_batch((np.zeros((2, 3)), np.zeros(2, np.int64)))
+    assert inputs[0].dtype == np.float32 and targets[0].dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        (x, "must be a pair"),
+        ((x, y, y), "tuple of length 3"),
+        ({"x": x, "y": y}, "got a dict"),
+        (((), y), "no inputs"),
+        (("text", y), r"inputs is a str \(.text.\)"),
+        (([[1, 2], [3]], y), "ragged"),
+    ],
+)
+def test_bad_forms_name_the_value(batch, message):
+    with pytest.raises(BatchError, match=message):
+        normalize_batch(batch)
+
+
+def test_spec_names_both_shapes_when_a_batch_changes():
+    spec = BatchSpec.of(normalize_batch((x, y)))
+    with pytest.raises(BatchError, match=r"expected inputs \(8, 3\) float32.*got inputs \(4, 3\)"):
+        spec.validate(normalize_batch((x[:4], y[:4])), step=5)
+    with pytest.raises(BatchError, match="at step 5"):
+        spec.validate(normalize_batch((x.astype(np.int32), y)), step=5)
+
+
+def make_loop(data, n_devices=4):
+    model = MLP()
+    return TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data),
+        rnkey=jax.random.key(0),
+        devices=jax.devices()[:n_devices],
+        n_steps=10,
+        stdout=False,
+    )
+
+
+def test_batch_not_divisible_by_the_device_count():
+    with pytest.raises(BatchError, match=r"size 30 does not split evenly across 4 devices"):
+        make_loop(batches(X_TRAIN, Y_TRAIN, 30))
+
+
+def test_shape_change_mid_run_is_an_error_not_a_recompile():
+    stream = itertools.chain(
+        itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 3), batches(X_TRAIN, Y_TRAIN, 16)
+    )
+    loop = make_loop(stream)
+    with pytest.raises(BatchError, match=r"at step 4.*\(32, 64\).*\(16, 64\)"):
+        list(loop)
+    assert loop.step == 3
+
+
+def test_one_compilation_per_loop():
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, duration, **kwargs: (
+            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
+    loop = make_loop(batches(X_TRAIN, Y_TRAIN, 32))
+    loop.n_steps_per_checkpoint = 3
+    compiles.clear()
+    steps = [checkpoint.step for checkpoint in loop]
+    assert steps == [3, 6, 9, 10]
+    assert compiles == []
