@@ -39,6 +39,7 @@ from flax_loop.errors import (
     NonFiniteError,
 )
 from flax_loop.parallel import Placement, to_host
+from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, into_collection, labels_of
 from flax_loop.step import NONFINITE_MODES, TrainState, build_update, compile_update
@@ -112,6 +113,7 @@ class TrainLoop:
         *,
         nonfinite: str = "raise",
         progress: bool = False,
+        preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
     ) -> None:
         r"""Initializes the model and the optimizer and compiles the update.
 
@@ -140,6 +142,9 @@ class TrainLoop:
             progress: whether to show a progress bar (step, steps/s, ETA and
                 the latest checkpoint's loss); plain lines when stdout is not
                 a terminal. It never waits for the devices.
+            preemption_signals: signals that, while the loop trains, make it
+                finish the current step, yield a checkpoint marked `preempted`
+                and stop (SIGTERM and SIGINT by default; `()` to disable).
 
         Raises:
             ConfigError: for an invalid argument.
@@ -170,6 +175,7 @@ class TrainLoop:
             )
         self._stdout = stdout
         self._nonfinite = nonfinite
+        self._guard = PreemptionGuard(preemption_signals)
         self._report = (
             ProgressReport(console.console()) if progress and console.is_main_process() else None
         )
@@ -237,6 +243,7 @@ class TrainLoop:
             labels_of(collections, "apply"),
             mutable_collections,
             axis_name,
+            skip_nonfinite=nonfinite == "skip",
         )
         sample = self._pending if self._pending is not None else self._peek_for_compile()
         self._update = compile_update(
@@ -328,6 +335,7 @@ class TrainLoop:
     # Internals.
 
     def _run(self, target: int | None) -> Iterator[Checkpoint]:
+        self._guard.install()
         try:
             while True:
                 stop = self._n_steps if target is None else target
@@ -337,16 +345,22 @@ class TrainLoop:
                 if checkpoint is None:
                     return
                 yield checkpoint
+                if checkpoint.preempted:
+                    return
         finally:
-            if self._report is not None:
-                self._report.stop()
+            self._stop_iterating()
 
     def _run_alone(self, boundary: int) -> Checkpoint | None:
+        self._guard.install()
         try:
             return self._run_interval(boundary, total=boundary)
         finally:
-            if self._report is not None:
-                self._report.stop()
+            self._stop_iterating()
+
+    def _stop_iterating(self) -> None:
+        self._guard.uninstall()
+        if self._report is not None:
+            self._report.stop()
 
     def _boundary(self, target: int | None) -> int:
         every = self._n_steps_per_checkpoint
@@ -415,7 +429,8 @@ class TrainLoop:
         in_flight: deque[jax.Array] = deque()
         loss = None
         n_completed = 0
-        while self._step < boundary:
+        guard = self._guard
+        while self._step < boundary and not guard.requested:
             batch = self._next_batch()
             if batch is None:
                 self._exhausted = True
@@ -435,12 +450,14 @@ class TrainLoop:
         assert loss is not None
         loss.block_until_ready()
         elapsed = time.perf_counter() - started
-        checkpoint = self._checkpoint(loss, n_completed, elapsed)
+        checkpoint = self._checkpoint(loss, n_completed, elapsed, guard.requested)
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
 
-    def _checkpoint(self, loss: jax.Array, n_completed: int, elapsed: float) -> Checkpoint:
+    def _checkpoint(
+        self, loss: jax.Array, n_completed: int, elapsed: float, preempted: bool
+    ) -> Checkpoint:
         state = self._state
         last_loss, loss_sum, n_nonfinite, first_bad = to_host(
             (loss, state.loss_sum, state.n_nonfinite, state.first_nonfinite_step)
@@ -475,6 +492,7 @@ class TrainLoop:
             step=self._step,
             mean_loss=float(loss_sum) / n_finite if n_finite else float("nan"),
             n_nonfinite_steps=int(n_nonfinite),
+            preempted=preempted,
             rnkey=self._key,
             data_state=data_state,
         )

@@ -118,6 +118,7 @@ def build_update(
     rng_labels: Sequence[str],
     mutable_collections: CollectionFilter,
     axis_name: str | None,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, jax.Array]]:
     r"""The update of one step, as seen by one device.
 
@@ -128,6 +129,8 @@ def build_update(
         rng_labels: RNG collections to derive keys for (e.g. `["dropout"]`).
         mutable_collections: the collections `apply` may change.
         axis_name: the mesh axis to average over; `None` on one device.
+        skip_nonfinite: keep the model state of a step whose loss or gradient
+            is not finite (the optimizer is expected to skip its update).
 
     Returns:
         `update(state, batch, key) -> (state, loss)`.
@@ -162,6 +165,13 @@ def build_update(
             grads, state.optimizer_state, state.model_params
         )
         finite = jnp.isfinite(loss_value) & _all_finite(grads)
+        if skip_nonfinite:
+            # optax.apply_if_finite keeps the parameters; keep the statistics too.
+            mutated = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old),
+                mutated,
+                {name: state.model_state[name] for name in mutated},
+            )
         first_bad = jnp.where(
             (state.first_nonfinite_step == 0) & ~finite,
             step,

@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--plain-stream", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--batch-delay", type=float, default=0.0)
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -44,6 +45,8 @@ def main() -> None:
 
     x, y, _, _ = digits_split()
     data = batches(x, y, 32) if args.plain_stream else ResumableBatches(x, y, 32, seed=3)
+    if args.batch_delay:
+        data = SlowBatches(data, args.batch_delay)
     model = BatchNormDropoutNet()
     loop = TrainLoop(
         init=CheckpointFileReader(dir=args.dir, target=model.init),
@@ -58,7 +61,7 @@ def main() -> None:
     print(f"START {loop.step}", flush=True)
     for checkpoint in loop:
         writer(checkpoint)
-        print(f"WROTE {checkpoint.step}", flush=True)
+        print(f"WROTE {checkpoint.step}{' preempted' if checkpoint.preempted else ''}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)
     if args.out:
@@ -66,6 +69,28 @@ def main() -> None:
         flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, state), sep="/")
         np.savez(args.out, step=loop.step, **flat)
     print(f"DONE {loop.step}", flush=True)
+
+
+class SlowBatches:
+    """Delays each batch, so that a test can signal or kill mid-training."""
+
+    def __init__(self, stream, delay):
+        self.stream, self.delay = iter(stream), delay
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import time
+
+        time.sleep(self.delay)
+        return next(self.stream)
+
+    def get_state(self):
+        return self.stream.get_state()
+
+    def set_state(self, state):
+        self.stream.set_state(state)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Preemption: SIGTERM or SIGINT yields a last checkpoint, then iteration stops."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import TrainLoop, TrainTask
+from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+X_TRAIN, Y_TRAIN, _, _ = digits_split()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def signalling_stream(at_batch, number):
+    for index, batch in enumerate(batches(X_TRAIN, Y_TRAIN, 32)):
+        if index == at_batch:
+            signal.raise_signal(number)
+        yield batch
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_yields_a_preempted_checkpoint_and_restores_handlers(number):
+    seen = []
+    previous = signal.signal(number, lambda *args: seen.append(args[0]))
+    try:
+        model = MLP()
+        loop = TrainLoop(
+            init=model.init,
+            task=TrainTask(
+                model.apply, optax.sgd(0.1), cross_entropy, signalling_stream(13, number)
+            ),
+            rnkey=jax.random.key(0),
+            n_steps=100,
+            n_steps_per_checkpoint=5,
+            stdout=False,
+        )
+        checkpoints = list(loop)
+        # The signal arrives while batch 13 (0-based) is fetched for step 14:
+        # that step, already under way, still runs; no later one does.
+        assert [c.step for c in checkpoints] == [5, 10, 14]
+        assert [c.preempted for c in checkpoints] == [False, False, True]
+        assert checkpoints[-1].n_completed_steps == 4
+        assert seen == []  # the handler of the loop took it, not ours
+        # Handlers are restored: the signal now reaches the original one.
+        signal.raise_signal(number)
+        assert seen == [number]
+        # Iterating again carries on training.
+        assert loop.next_checkpoint().step == 15
+    finally:
+        signal.signal(number, previous)
+
+
+def test_preemption_can_be_disabled():
+    handler = signal.getsignal(signal.SIGTERM)
+    model = MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
+        rnkey=jax.random.key(0),
+        n_steps=3,
+        stdout=False,
+        preemption_signals=(),
+    )
+    for _ in loop:
+        assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def worker(directory, n_steps, extra=()):
+    return [
+        sys.executable,
+        "-m",
+        "tests.resume_worker",
+        str(directory),
+        "--n-steps",
+        str(n_steps),
+        "--devices",
+        "2",
+        "--every",
+        "20",
+        *extra,
+    ]
+
+
+def final_params(path):
+    data = np.load(path)
+    return {name: data[name] for name in data.files}
+
+
+def test_sigterm_to_a_real_process_then_exact_resume(tmp_path):
+    directory = tmp_path / "run"
+    process = subprocess.Popen(
+        worker(directory, 400, ["--batch-delay", "0.01"]),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line.strip())
+            if line.startswith("WROTE 20"):
+                time.sleep(0.137)  # mid-interval, a few steps past 20
+                process.send_signal(signal.SIGTERM)
+                break
+        rest, _ = process.communicate(timeout=120)
+        lines += rest.split("\n")
+    finally:
+        process.kill()
+    assert process.returncode == 0, "\n".join(lines)
+    preempted = [line for line in lines if line.endswith("preempted")]
+    assert len(preempted) == 1, lines
+    step = int(preempted[0].split()[1])
+    assert 20 < step < 100
+    assert f"DONE {step}" in lines
+    assert f"regular.{step}.ckpt" in os.listdir(directory)
+
+    resumed = subprocess.run(
+        worker(directory, 100, ["--out", str(tmp_path / "resumed.npz")]),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"START {step}" in resumed.stdout
+    straight = subprocess.run(
+        worker(tmp_path / "straight", 100, ["--out", str(tmp_path / "straight.npz")]),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    a, b = final_params(tmp_path / "resumed.npz"), final_params(tmp_path / "straight.npz")
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
