@@ -58,14 +58,19 @@ def main() -> None:
         stdout=True,
     )
     writer = CheckpointFileWriter(output_dir=args.dir, keep=args.keep)
-    print(f"START {loop.step}", flush=True)
+    start = loop.step
+    print(f"START {start}", flush=True)
     for checkpoint in loop:
         writer(checkpoint)
         print(f"WROTE {checkpoint.step}{' preempted' if checkpoint.preempted else ''}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)
     if args.out:
-        state = {"params": checkpoint.model_params, **checkpoint.model_state}
+        if loop.step == start:  # nothing left to train: take the newest file
+            raw = CheckpointFileReader(dir=args.dir, target=model.init).read(None)
+            state = {"params": raw["model_params"], **raw["model_state"]}
+        else:
+            state = {"params": checkpoint.model_params, **checkpoint.model_state}
         flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, state), sep="/")
         np.savez(args.out, step=loop.step, **flat)
     print(f"DONE {loop.step}", flush=True)

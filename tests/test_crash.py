@@ -1,0 +1,178 @@
+"""Crash safety: SIGKILL at random moments never loses or damages finished work.
+
+A real training process writes a checkpoint every 5 steps; it is killed with
+SIGKILL at seeded random moments and restarted from its directory each time.
+At the end its parameters equal, bit for bit, those of a run never
+interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 20 to 100.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from flax_loop.checkpoint import _format
+from flax_loop.checkpoint._file import TEMPORARY_PREFIX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 20
+# A kill lands on average 0.3 s (15 steps) after start-up: enough steps that
+# the run is still going after every kill.
+N_STEPS, EVERY, KEEP, STEP_SECONDS = 30 * N_KILLS, 5, 2, 0.02
+
+
+def command(directory, out=None, delay=STEP_SECONDS):
+    command = [
+        sys.executable,
+        "-m",
+        "tests.resume_worker",
+        str(directory),
+        "--n-steps",
+        str(N_STEPS),
+        "--every",
+        str(EVERY),
+        "--keep",
+        str(KEEP),
+        "--devices",
+        "1",
+        "--batch-delay",
+        str(delay),
+    ]
+    return command + (["--out", str(out)] if out else [])
+
+
+def check_directory(directory):
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    assert len(names) <= KEEP + 1, names
+    for name in names:
+        if not name.startswith(TEMPORARY_PREFIX):
+            _format.read(os.path.join(directory, name))  # raises if damaged
+    return sum(name.startswith(TEMPORARY_PREFIX) for name in names)
+
+
+def test_sigkill_at_random_moments_then_exact_resume(tmp_path):
+    rng = random.Random(20261122)
+    directory = tmp_path / "killed"
+    outputs, kills, torn_writes, resumed_from = [], 0, 0, []
+    deadline = time.monotonic() + 30 * N_KILLS
+    while kills < N_KILLS:
+        assert time.monotonic() < deadline, f"only {kills} kills in time"
+        process = subprocess.Popen(
+            command(directory),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            lines = []
+            for line in process.stdout:
+                lines.append(line)
+                if line.startswith("START"):
+                    resumed_from.append(int(line.split()[1]))
+                    break
+            time.sleep(rng.uniform(0.0, 0.6))
+            process.send_signal(signal.SIGKILL)
+            rest, _ = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        output = "".join(lines) + rest
+        outputs.append(output)
+        assert "Traceback" not in output, output
+        if process.returncode == 0:
+            break  # finished before the kill landed
+        assert process.returncode == -signal.SIGKILL
+        kills += 1
+        torn_writes += check_directory(directory)
+    final = subprocess.run(
+        command(directory, tmp_path / "resumed.npz", delay=0),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert final.returncode == 0, final.stdout + final.stderr
+    outputs.append(final.stdout)
+    assert not any("damaged" in output for output in outputs)
+    straight = subprocess.run(
+        command(tmp_path / "straight", tmp_path / "straight.npz", delay=0),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    a, b = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "straight.npz")
+    assert int(a["step"]) == int(b["step"]) == N_STEPS
+    for name in b.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert kills == N_KILLS
+    # The kills landed in the middle of training, not only at start-up.
+    assert len(set(resumed_from)) >= 5, resumed_from
+    print(f"{kills} kills, resumed from {sorted(set(resumed_from))}, {torn_writes} torn writes")
+
+
+@pytest.fixture
+def checkpoint():
+    import jax
+    import optax
+
+    from flax_loop import TrainLoop, TrainTask
+    from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+    x, y, _, _ = digits_split()
+    model = MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(x, y, 32)),
+        rnkey=jax.random.key(0),
+        n_steps=10,
+        n_steps_per_checkpoint=5,
+        stdout=False,
+    )
+    return list(loop)
+
+
+def snapshot(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+@pytest.mark.parametrize(
+    "target, error",
+    [
+        ("os.replace", RuntimeError("interrupted between write and rename")),
+        ("os.fsync", OSError(28, "No space left on device")),
+        ("flax_loop.checkpoint._format.write", OSError(28, "No space left on device")),
+    ],
+    ids=["exception-before-rename", "fsync-disk-full", "write-disk-full"],
+)
+def test_writer_failure_keeps_the_previous_file_and_reaches_the_user(
+    tmp_path, monkeypatch, checkpoint, target, error
+):
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter
+    from flax_loop.errors import CheckpointError
+
+    first, second = checkpoint
+    writer = CheckpointFileWriter(output_dir=str(tmp_path))
+    writer(first)
+    before = snapshot(tmp_path)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(target, fail)
+    expected = CheckpointError if isinstance(error, OSError) else type(error)
+    with pytest.raises(expected) as raised:
+        writer(second)
+    if isinstance(error, OSError):
+        assert "No space left on device" in str(raised.value)
+        assert "intact" in str(raised.value)
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == before  # no temporary file left either
+    restored = CheckpointFileReader(dir=str(tmp_path), target=None).read(None)
+    assert restored["step"] == 5

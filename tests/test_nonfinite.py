@@ -1,0 +1,74 @@
+"""Non-finite losses and gradients: raise at the next checkpoint, or skip."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import TrainLoop, TrainTask
+from flax_loop.errors import NonFiniteError
+from tests.helpers import BatchNormDropoutNet, batches, cross_entropy, digits_split
+
+X_TRAIN, Y_TRAIN, _, _ = digits_split()
+
+
+def poisoned(bad_batch):
+    for index, (x, y) in enumerate(batches(X_TRAIN, Y_TRAIN, 32)):
+        if index == bad_batch:
+            x = x.copy()
+            x[3, 5] = np.nan
+        yield x, y
+
+
+def make_loop(nonfinite, n_devices=2):
+    model = BatchNormDropoutNet()
+    return TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, poisoned(6)),
+        rnkey=jax.random.key(0),
+        n_steps=20,
+        n_steps_per_checkpoint=5,
+        collections={"apply": ["dropout"]},
+        devices=jax.devices()[:n_devices],
+        stdout=False,
+        nonfinite=nonfinite,
+    )
+
+
+def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
+    loop = make_loop("raise")
+    assert loop.next_checkpoint().step == 5
+    with pytest.raises(NonFiniteError, match=r"at step 7 \(detected at step 10\)"):
+        loop.next_checkpoint()
+
+
+def test_skip_leaves_params_and_statistics_unchanged_and_goes_on():
+    loop = make_loop("skip")
+    at_six = list(loop.run(6))[-1]
+    assert at_six.step == 6
+    at_seven = loop.next_step()
+    assert at_seven.n_nonfinite_steps == 1 and np.isnan(at_seven.loss)
+    assert np.isnan(at_seven.mean_loss)  # the interval held only the bad step
+    for a, b in [
+        (at_six.model_params, at_seven.model_params),
+        (at_six.model_state, at_seven.model_state),
+    ]:
+        jax.tree.map(
+            np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)
+        )
+    rest = list(loop)
+    assert [c.step for c in rest] == [10, 15, 20]
+    assert rest[0].n_nonfinite_steps == 0 and np.isfinite(rest[0].mean_loss)
+    params = jax.tree.leaves(rest[-1].model_params)
+    assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in params)
+    assert not np.allclose(
+        np.asarray(params[0]), np.asarray(jax.tree.leaves(at_seven.model_params)[0])
+    )
+
+
+def test_skip_mean_loss_leaves_the_bad_step_out():
+    loop = make_loop("skip", n_devices=1)
+    assert loop.next_checkpoint().n_nonfinite_steps == 0
+    second = loop.next_checkpoint()
+    assert second.step == 10 and second.n_nonfinite_steps == 1
+    assert np.isfinite(second.mean_loss)
