@@ -77,7 +77,7 @@ class TrainState(struct.PyTreeNode):
         )
 
 
-def _check_loss(loss: Any) -> jax.Array:
+def _check_loss(loss: Any, per_device: bool) -> jax.Array:
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -88,7 +88,8 @@ def _check_loss(loss: Any) -> jax.Array:
         )
         raise LossError(
             f"The loss function must return a floating-point scalar; it "
-            f"returned {described}. Reduce it with .mean() and compute it in "
+            f"returned {described}{' (shapes are per device)' if per_device else ''}. "
+            "Reduce it with .mean() and compute it in "
             "floating point (e.g. optax.softmax_cross_entropy_with_integer_labels"
             "(...).mean())."
         )
@@ -149,7 +150,7 @@ def build_update(
             outputs, mutated = apply(variables, *inputs, rngs=rngs), {}
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
-        return _check_loss(loss(*outputs, *targets)), mutated
+        return _check_loss(loss(*outputs, *targets), axis_name is not None), mutated
 
     gradient = jax.value_and_grad(forward, has_aux=True)
 

@@ -1,0 +1,267 @@
+"""Bad input: a flax_loop error that names the bad value; nothing written is touched.
+
+Every case runs against a checkpoint directory holding a valid file of step 5;
+after the error, the directory holds exactly the same bytes.
+"""
+
+import itertools
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import (
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    EvalLoop,
+    EvalTask,
+    HighestCheckpointFileWriter,
+    Summary,
+    TrainLoop,
+    TrainTask,
+)
+from flax_loop.checkpoint import _format
+from flax_loop.errors import (
+    BatchError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointVersionError,
+    ConfigError,
+    DataExhaustedError,
+    FlaxLoopError,
+    InitError,
+    LossError,
+    MetricError,
+    NonFiniteError,
+)
+from tests.helpers import MLP, accuracy, batches, cross_entropy, digits_split
+
+X, Y, X_TEST, Y_TEST = digits_split()
+MODEL = MLP()
+
+
+def stream(batch_size=32):
+    return batches(X, Y, batch_size)
+
+
+def train(directory, data=None, loss=cross_entropy, model=MODEL, **options):
+    """Resumes from `directory` (step 5), trains to 10, writes each checkpoint there."""
+    task = TrainTask(
+        apply=model.apply,
+        optimizer=options.pop("optimizer", optax.adam(1e-2)),
+        loss=loss,
+        data=stream() if data is None else data,
+    )
+    loop = TrainLoop(
+        init=options.pop("init", CheckpointFileReader(dir=str(directory), target=model.init)),
+        task=task,
+        rnkey=options.pop("rnkey", jax.random.key(0)),
+        n_steps=options.pop("n_steps", 10),
+        n_steps_per_checkpoint=options.pop("n_steps_per_checkpoint", 5),
+        stdout=False,
+        **options,
+    )
+    writer = CheckpointFileWriter(output_dir=str(directory))
+    for checkpoint in loop:
+        writer(checkpoint)
+
+
+def changing(first, then, at=2):
+    return itertools.chain(itertools.islice(first, at), then)
+
+
+def cast(data, dtype):
+    return ((x.astype(dtype), y) for x, y in data)
+
+
+def nan_at(index):
+    for i, (x, y) in enumerate(stream()):
+        yield (x * np.nan if i == index else x), y
+
+
+def damage(directory, how):
+    path = os.path.join(directory, "regular.5.ckpt")
+    with open(path, "r+b") as handle:
+        if how == "truncate":
+            handle.truncate(os.path.getsize(path) - 100)
+        elif how == "flip":
+            handle.seek(_format._HEAD.size + 77)
+            byte = handle.read(1)
+            handle.seek(-1, 1)
+            handle.write(bytes([byte[0] ^ 1]))
+        elif how == "version":
+            handle.seek(8)
+            handle.write((_format.FORMAT_VERSION + 1).to_bytes(4, "little"))
+
+
+def into_file(directory):
+    path = os.path.join(directory, "regular.5.ckpt")
+    CheckpointFileWriter(output_dir=path)(summary_of(directory))
+
+
+def summary_of(directory):
+    raw = CheckpointFileReader(dir=str(directory), target=None).read(None)
+    from flax_loop import Checkpoint
+
+    checkpoint = Checkpoint(raw["model_params"], {}, {}, {}, 0.0, 1, 0.0, 6)
+    return Summary(metrics={"eval": {"loss": 0.1}}, **vars(checkpoint))
+
+
+def raising_init(*args, **kwargs):
+    raise ValueError("boom: the model cannot take these inputs")
+
+
+CASES = {
+    "batch-not-a-tuple": (
+        lambda d: train(d, data=(x for x, _ in stream())),
+        BatchError,
+        r"pair .*got a ndarray",
+    ),
+    "wrong-nesting": (
+        lambda d: train(d, data=((x, y, y) for x, y in stream())),
+        BatchError,
+        "tuple of length 3",
+    ),
+    "not-divisible": (
+        lambda d: train(d, data=stream(30), devices=jax.devices()),
+        BatchError,
+        "size 30 does not split evenly across 4 devices",
+    ),
+    "shape-change": (
+        lambda d: train(d, data=changing(stream(), stream(16))),
+        BatchError,
+        r"at step 8.*\(16, 64\)",
+    ),
+    "dtype-change": (
+        lambda d: train(d, data=changing(stream(), cast(stream(), np.float16))),
+        BatchError,
+        r"at step 8.*float16",
+    ),
+    "empty-stream": (lambda d: train(d, data=[]), DataExhaustedError, "no batch"),
+    "loss-not-scalar": (
+        lambda d: train(d, loss=lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y)),
+        LossError,
+        r"shape \(8,\) .*per device",
+    ),
+    "loss-int": (
+        lambda d: train(d, loss=lambda o, y: jnp.sum(jnp.argmax(o, -1) == y)),
+        LossError,
+        "dtype int32",
+    ),
+    "n-steps-negative": (
+        lambda d: train(d, n_steps=-1),
+        ConfigError,
+        "n_steps must be >= 0; got -1",
+    ),
+    "checkpoint-every-zero": (
+        lambda d: train(d, n_steps_per_checkpoint=0),
+        ConfigError,
+        "n_steps_per_checkpoint must be >= 1; got 0",
+    ),
+    "no-devices": (lambda d: train(d, devices=[]), ConfigError, "devices is empty"),
+    "optimizer-not-optax": (
+        lambda d: train(d, optimizer="adam"),
+        ConfigError,
+        "got 'adam' of type str",
+    ),
+    "init-raises": (
+        lambda d: train(d, init=raising_init),
+        InitError,
+        "init raised ValueError: boom",
+    ),
+    "rnkey-not-a-key": (lambda d: train(d, rnkey=42), ConfigError, "got int"),
+    "collections-not-a-list": (
+        lambda d: train(d, collections={"apply": "dropout"}),
+        ConfigError,
+        "got 'dropout'",
+    ),
+    "data-not-iterable": (lambda d: train(d, data=5), ConfigError, "got int"),
+    "nonfinite-mode": (lambda d: train(d, nonfinite="ignore"), ConfigError, "got 'ignore'"),
+    "nan-loss": (
+        lambda d: train(d, data=nan_at(2)),
+        NonFiniteError,
+        r"at step 8 \(detected at step 10\)",
+    ),
+    "directory-is-a-file": (into_file, CheckpointError, "regular.5.ckpt' is a file"),
+    "reader-directory-is-a-file": (
+        lambda d: train(os.path.join(d, "regular.5.ckpt")),
+        CheckpointError,
+        "is a file",
+    ),
+    "unwritable-directory": (
+        lambda d: CheckpointFileWriter(output_dir="/proc/flax_loop")(summary_of(d)),
+        CheckpointError,
+        "'/proc/flax_loop'",
+    ),
+    "keep-zero": (lambda d: CheckpointFileWriter(output_dir=str(d), keep=0), ConfigError, "got 0"),
+    "another-model": (
+        lambda d: train(d, model=MLP(features=(32,))),
+        CheckpointMismatchError,
+        r"model \(64, 32\), file \(64, 64\)",
+    ),
+    "truncated-file": (train, CheckpointCorruptError, "regular.5.ckpt is truncated"),
+    "flipped-byte": (train, CheckpointCorruptError, "fails its checksum"),
+    "newer-version": (train, CheckpointVersionError, "format version 2"),
+    "metric-missing": (
+        lambda d: HighestCheckpointFileWriter(output_dir=str(d), metric="accuracy", stdout=False)(
+            summary_of(d)
+        ),
+        MetricError,
+        r"eval/accuracy .*\['loss'\]",
+    ),
+    "eval-n-steps-zero": (
+        lambda d: EvalLoop(
+            EvalTask(MODEL.apply, {"accuracy": accuracy}, []), jax.random.key(0), n_steps=0
+        ),
+        ConfigError,
+        "got 0",
+    ),
+}
+DAMAGE = {"truncated-file": "truncate", "flipped-byte": "flip", "newer-version": "version"}
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pristine")
+    loop = TrainLoop(
+        init=MODEL.init,
+        task=TrainTask(MODEL.apply, optax.adam(1e-2), cross_entropy, stream()),
+        rnkey=jax.random.key(0),
+        n_steps=5,
+        n_steps_per_checkpoint=5,
+        stdout=False,
+    )
+    writer = CheckpointFileWriter(output_dir=str(directory))
+    for checkpoint in loop:
+        writer(checkpoint)
+    return directory
+
+
+def snapshot(directory):
+    return {
+        name: open(os.path.join(directory, name), "rb").read()
+        for name in sorted(os.listdir(directory))
+    }
+
+
+def test_at_least_twenty_cases():
+    assert len(CASES) >= 20
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(name, pristine, tmp_path):
+    case, error_type, message = CASES[name]
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(pristine, directory)
+    if name in DAMAGE:
+        damage(str(directory), DAMAGE[name])
+    before = snapshot(directory)
+    with pytest.raises(error_type, match=message) as raised:
+        case(str(directory))
+    assert isinstance(raised.value, FlaxLoopError)
+    assert snapshot(directory) == before
