@@ -13,7 +13,7 @@ from flax import serialization
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._checkpoint import Metrics
-from flax_loop.errors import CheckpointError
+from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.random import key_data, key_from_data
 
 SUFFIX = ".ckpt"
@@ -151,11 +151,17 @@ def load(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return _format.read(path)
 
 
-def restore_key(meta: dict[str, Any]) -> jax.Array | None:
+def restore_key(meta: dict[str, Any], path: str) -> jax.Array | None:
+    r"""The run's key stored in a file's metadata, if any."""
     entry = meta.get("rnkey")
     if not isinstance(entry, dict):
         return None
-    return key_from_data(str(entry.get("impl")), np.asarray(entry.get("data")))
+    try:
+        return key_from_data(str(entry.get("impl")), np.asarray(entry.get("data")))
+    except (ValueError, TypeError, KeyError) as error:
+        raise CheckpointCorruptError(
+            f"{path} is damaged: its key cannot be rebuilt ({error})."
+        ) from error
 
 
 def clean_temporary(directory: str, prefix: str) -> None:

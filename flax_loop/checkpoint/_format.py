@@ -188,8 +188,28 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
         return arrays[_array_index(path, code, data, len(arrays))]
 
     tree = _resolve(footer.get("tree"), resolve)
+    if not isinstance(tree, dict):
+        raise CheckpointCorruptError(f"{path} is damaged: its state is not a map.")
     meta = {k: v for k, v in footer.items() if k not in ("tree", "arrays")}
+    _check_meta(path, meta)
     return tree, meta
+
+
+def _check_meta(path: str, meta: dict[str, Any]) -> None:
+    step, metrics, key = meta.get("step"), meta.get("metrics", {}), meta.get("rnkey")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointCorruptError(f"{path} is damaged: invalid step {step!r}.")
+    if not isinstance(metrics, dict) or not all(
+        isinstance(group, dict) for group in metrics.values()
+    ):
+        raise CheckpointCorruptError(f"{path} is damaged: invalid metrics {metrics!r}.")
+    if key is not None and not (
+        isinstance(key, dict)
+        and isinstance(key.get("impl"), str)
+        and isinstance(key.get("data"), list)
+        and all(isinstance(n, int) and 0 <= n < 2**32 for n in key["data"])
+    ):
+        raise CheckpointCorruptError(f"{path} is damaged: invalid key {key!r}.")
 
 
 def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:

@@ -156,6 +156,6 @@ def _restore(
         step=int(meta.get("step", 0)),
         metrics=meta.get("metrics") or {},
         version=int(meta.get("version", 0)),
-        rnkey=restore_key(meta),
+        rnkey=restore_key(meta, path),
         data_state=meta.get("data_state"),
     )
