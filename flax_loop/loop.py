@@ -42,7 +42,13 @@ from flax_loop.parallel import Placement, to_host
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, into_collection, labels_of
-from flax_loop.step import NONFINITE_MODES, TrainState, build_update, compile_update
+from flax_loop.step import (
+    NONFINITE_MODES,
+    TrainState,
+    all_finite,
+    build_update,
+    compile_update,
+)
 from flax_loop.task import TrainTask
 
 InitFn = Callable[..., Any]
@@ -114,6 +120,7 @@ class TrainLoop:
         nonfinite: str = "raise",
         progress: bool = False,
         preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
+        steps_per_dispatch: int = 1,
     ) -> None:
         r"""Initializes the model and the optimizer and compiles the update.
 
@@ -145,6 +152,10 @@ class TrainLoop:
             preemption_signals: signals that, while the loop trains, make it
                 finish the current step, yield a checkpoint marked `preempted`
                 and stop (SIGTERM and SIGINT by default; `()` to disable).
+            steps_per_dispatch: run this many steps in one compiled call (a
+                `jax.lax.scan` over as many stacked batches), for models so
+                small that dispatching each step costs more than computing it.
+                Results are those of single steps; checkpoints keep their steps.
 
         Raises:
             ConfigError: for an invalid argument.
@@ -157,6 +168,7 @@ class TrainLoop:
         self._n_steps_per_checkpoint = _check_count(
             "n_steps_per_checkpoint", n_steps_per_checkpoint, 1
         )
+        self._steps_per_dispatch = _check_count("steps_per_dispatch", steps_per_dispatch, 1)
         if nonfinite not in NONFINITE_MODES:
             raise ConfigError(f"nonfinite must be one of {NONFINITE_MODES}; got {nonfinite!r}.")
         task = _check_task(task)
@@ -253,7 +265,22 @@ class TrainLoop:
             self._place_batch(sample),
             self._replicated_key,
         )
+        self._update_many: Callable[..., tuple[TrainState, jax.Array]] | None = None
+        if self._steps_per_dispatch > 1:
+            stacked = _stack([sample] * self._steps_per_dispatch)
+            self._update_many = compile_update(
+                update,
+                self._placement,
+                self._state,
+                self._place_batch(stacked, stacked=True),
+                self._replicated_key,
+                n_steps=self._steps_per_dispatch,
+            )
         self._depth = self._placement.dispatch_depth
+        self._all_finite = (
+            jax.jit(all_finite).lower((self._state.model_params, self._state.grads)).compile()
+        )
+        self._interval_start = self._step
         console.log(
             console.describe_model(
                 params, self._placement.n_devices, time.perf_counter() - started
@@ -403,6 +430,17 @@ class TrainLoop:
                 stdout=True,
             )
 
+    def _next_batches(self, count: int) -> list[Batch]:
+        r"""Up to `count` batches; fewer (and `_exhausted` set) at the stream's end."""
+        group = []
+        for _ in range(count):
+            batch = self._next_batch()
+            if batch is None:
+                self._exhausted = True
+                break
+            group.append(batch)
+        return group
+
     def _next_batch(self) -> Batch | None:
         if self._pending is not None:
             batch, self._pending = self._pending, None
@@ -415,9 +453,9 @@ class TrainLoop:
         self._spec.validate(batch, step=self._step + 1)
         return batch
 
-    def _place_batch(self, batch: Batch) -> Any:
+    def _place_batch(self, batch: Batch, stacked: bool = False) -> Any:
         if self._placement.multiprocess:
-            return self._placement.shard_batch(batch)
+            return self._placement.shard_batch(batch, stacked=stacked)
         return batch
 
     def _run_interval(self, boundary: int, total: int) -> Checkpoint | None:
@@ -427,19 +465,27 @@ class TrainLoop:
             report.start(self._step, total)
         started = time.perf_counter()
         in_flight: deque[jax.Array] = deque()
-        loss = None
+        loss: Any = None
         n_completed = 0
         guard = self._guard
+        many = self._steps_per_dispatch
         while self._step < boundary and not guard.requested:
-            batch = self._next_batch()
-            if batch is None:
-                self._exhausted = True
+            group = self._next_batches(many if boundary - self._step >= many else 1)
+            if len(group) == many > 1 and self._update_many is not None:
+                self._state, loss = self._update_many(
+                    self._state,
+                    self._place_batch(_stack(group), stacked=True),
+                    self._replicated_key,
+                )
+            else:
+                for batch in group:
+                    self._state, loss = self._update(
+                        self._state, self._place_batch(batch), self._replicated_key
+                    )
+            self._step += len(group)
+            n_completed += len(group)
+            if self._exhausted:
                 break
-            self._state, loss = self._update(
-                self._state, self._place_batch(batch), self._replicated_key
-            )
-            self._step += 1
-            n_completed += 1
             in_flight.append(loss)
             if len(in_flight) > self._depth:
                 in_flight.popleft().block_until_ready()
@@ -459,15 +505,22 @@ class TrainLoop:
         self, loss: jax.Array, n_completed: int, elapsed: float, preempted: bool
     ) -> Checkpoint:
         state = self._state
-        last_loss, loss_sum, n_nonfinite, first_bad = to_host(
-            (loss, state.loss_sum, state.n_nonfinite, state.first_nonfinite_step)
+        first_step, self._interval_start = self._interval_start + 1, self._step
+        finite = self._all_finite((state.model_params, state.grads))
+        last_loss, loss_sum, n_nonfinite, first_bad, finite = to_host(
+            (loss, state.loss_sum, state.n_nonfinite, state.first_nonfinite_step, finite)
         )
-        if self._nonfinite == "raise" and int(first_bad):
+        if self._nonfinite == "raise" and (int(first_bad) or not bool(finite)):
+            where = (
+                f"at step {int(first_bad)}"
+                if int(first_bad)
+                else f"between steps {first_step} and {self._step}"
+            )
             raise NonFiniteError(
-                f"The loss or a gradient was NaN or infinite at step {int(first_bad)} "
-                f"(detected at step {self._step}). Lower the learning rate, "
-                "check the data for NaN or Inf, or pass nonfinite='skip' to "
-                "TrainLoop to skip such updates."
+                f"The loss or a gradient was NaN or infinite {where} (detected at "
+                f"step {self._step}). Lower the learning rate, check the data for "
+                "NaN or Inf, or pass nonfinite='skip' to TrainLoop to skip such "
+                "updates."
             )
         params, model_state, optimizer_state, grads = self._placement.copy(
             (state.model_params, state.model_state, state.optimizer_state, state.grads)
@@ -496,6 +549,11 @@ class TrainLoop:
             rnkey=self._key,
             data_state=data_state,
         )
+
+
+def _stack(batches: list[Batch]) -> Batch:
+    r"""Stacks batches along a new leading axis, for several steps per dispatch."""
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
 
 
 def _init_key(key: jax.Array) -> jax.Array:

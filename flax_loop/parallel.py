@@ -55,6 +55,7 @@ class Placement:
         self.mesh = Mesh(np.array(devices), (DATA_AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
+        self.stacked_batch_sharding = NamedSharding(self.mesh, PartitionSpec(None, DATA_AXIS))
         process = jax.process_index()
         self.local_devices = [d for d in devices if d.process_index == process]
         self.multiprocess = len(self.local_devices) != len(devices)
@@ -98,13 +99,17 @@ class Placement:
         """
         return jax.device_put(tree, may_alias=False)
 
-    def shard_batch(self, tree: Any) -> Any:
-        r"""Splits the process-local batch along its first axis over the mesh."""
+    def shard_batch(self, tree: Any, stacked: bool = False) -> Any:
+        r"""Splits the process-local batch along its batch axis over the mesh.
+
+        With `stacked`, the leaves hold several batches along a leading axis
+        and the batch axis is the second one.
+        """
+        sharding = self.stacked_batch_sharding if stacked else self.batch_sharding
         if not self.multiprocess:
-            return jax.device_put(tree, self.batch_sharding)
+            return jax.device_put(tree, sharding)
         return jax.tree.map(
-            lambda leaf: jax.make_array_from_process_local_data(self.batch_sharding, leaf),
-            tree,
+            lambda leaf: jax.make_array_from_process_local_data(sharding, leaf), tree
         )
 
 

@@ -320,3 +320,31 @@ def test_checkpoint_is_positional_as_in_flax_extra():
     checkpoint = Checkpoint({}, {}, (), {}, 0.5, 3, 1.5, 9)
     assert (checkpoint.step, checkpoint.n_completed_steps, checkpoint.loss) == (9, 3, 0.5)
     assert checkpoint.mean_loss is None and not checkpoint.preempted
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_several_steps_per_dispatch_match_single_steps(n_devices):
+    model = BatchNormDropoutNet()
+
+    def run(steps_per_dispatch):
+        loop = TrainLoop(
+            init=model.init,
+            task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
+            rnkey=jax.random.key(3),
+            n_steps=22,
+            n_steps_per_checkpoint=9,
+            collections={"apply": ["dropout"]},
+            devices=jax.devices()[:n_devices],
+            stdout=False,
+            steps_per_dispatch=steps_per_dispatch,
+        )
+        return list(loop)
+
+    single, grouped = run(1), run(4)
+    assert [c.step for c in grouped] == [9, 18, 22]
+    assert [c.n_completed_steps for c in grouped] == [9, 9, 4]
+    for a, b in zip(single, grouped):
+        assert leaves_close(b.model_params, a.model_params, 0) < 1e-6
+        assert leaves_close(b.model_state, a.model_state, 0) < 1e-6
+        assert b.loss == pytest.approx(a.loss, rel=1e-6)
+        assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-6)

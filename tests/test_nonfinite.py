@@ -72,3 +72,30 @@ def test_skip_mean_loss_leaves_the_bad_step_out():
     second = loop.next_checkpoint()
     assert second.step == 10 and second.n_nonfinite_steps == 1
     assert np.isfinite(second.mean_loss)
+
+
+def test_a_nonfinite_gradient_with_a_finite_loss_is_caught_at_the_checkpoint():
+    import jax.numpy as jnp
+
+    from tests.helpers import MLP
+
+    def loss(logits, labels, poison):
+        # sqrt has an infinite derivative at 0, times the zero derivative of
+        # logits * 0: a NaN gradient under a finite loss where poison is 1.
+        return cross_entropy(logits, labels) + jnp.mean(jnp.sqrt(logits * 0.0 + 1.0 - poison))
+
+    def data():
+        for index, (x, y) in enumerate(batches(X_TRAIN, Y_TRAIN, 32)):
+            yield x, (y, np.full((32, 1), float(index == 4), np.float32))
+
+    model = MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), loss, data()),
+        rnkey=jax.random.key(0),
+        n_steps=10,
+        n_steps_per_checkpoint=5,
+        stdout=False,
+    )
+    with pytest.raises(NonFiniteError, match=r"between steps 1 and 5 \(detected at step 5\)"):
+        loop.next_checkpoint()

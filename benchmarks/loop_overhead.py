@@ -1,0 +1,258 @@
+"""TrainLoop against a hand-written loop: same model, data and devices, one process.
+
+    python benchmarks/loop_overhead.py [--quick] [--json results/loop_overhead.json]
+
+For each workload and device count the script alternates a hand-written
+loop and a TrainLoop run of the same steps, three times, and reports the
+median steps per second of each and their ratio (TrainLoop / hand-written;
+1.00 means no overhead). The hand-written loop is the fastest plain one: numpy
+batches passed straight into `jax.jit` on one device, `jax.jit(jax.shard_map)`
+with `pmean` on several, its dispatch bounded as the TrainLoop bounds its own
+(DESIGN.md). Peak host memory of each (resident set growth over the run) is
+reported too.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+N_DEVICES = 4
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N_DEVICES}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import itertools  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import deque  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+from flax_loop import TrainLoop, TrainTask  # noqa: E402
+from flax_loop.parallel import Placement  # noqa: E402
+
+
+class MLP(nn.Module):
+    widths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for width in self.widths[:-1]:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.widths[-1])(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for features in (32, 64):
+            x = nn.Conv(features, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            x = nn.max_pool(nn.relu(x), (2, 2), (2, 2))
+        x = nn.relu(nn.Dense(128)(x.reshape(x.shape[0], -1)))
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+WORKLOADS = {
+    "mlp-784-512-512-10": dict(
+        model=MLP((512, 512, 10)), shape=(784,), batch=128, steps=600, devices=(1, 2, 4), rngs=[]
+    ),
+    "cnn-bn-dropout": dict(
+        model=CNN(), shape=(28, 28, 1), batch=64, steps=60, devices=(1, 4), rngs=["dropout"]
+    ),
+    "mlp-64-32-10": dict(
+        model=MLP((32, 10)), shape=(64,), batch=32, steps=6000, devices=(1,), rngs=[]
+    ),
+}
+
+
+def make_batches(shape, batch, count=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.normal(size=(batch, *shape)).astype(np.float32),
+            rng.integers(0, 10, batch).astype(np.int32),
+        )
+        for _ in range(count)
+    ]
+
+
+def hand_written(model, optimizer, batches, n_devices, rngs, depth):
+    """A plain training loop; returns run(n_steps) -> seconds."""
+    devices = jax.devices()[:n_devices]
+    x0, _ = batches[0]
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x0)
+    params = variables.pop("params")
+    state = (params, dict(variables), optimizer.init(params), jnp.zeros((), jnp.int32))
+    key = jax.random.key(2)
+
+    def update(state, x, y, key):
+        params, model_state, opt_state, step = state
+        step = step + 1
+        keys = {name: jax.random.fold_in(jax.random.fold_in(key, step), 0) for name in rngs}
+        if n_devices > 1:
+            keys = {n: jax.random.fold_in(k, jax.lax.axis_index("data")) for n, k in keys.items()}
+
+        def loss_fn(params):
+            logits, new_state = model.apply(
+                {"params": params, **model_state}, x, rngs=keys, mutable=list(model_state)
+            )
+            return cross_entropy(logits, y), new_state
+
+        (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if n_devices > 1:
+            loss, grads, new_state = jax.lax.pmean((loss, grads, new_state), "data")
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), new_state, opt_state, step), loss
+
+    if n_devices > 1:
+        mesh = Mesh(np.array(devices), ("data",))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        state = jax.device_put(state, replicated)
+        key = jax.device_put(key, replicated)
+        update = jax.shard_map(
+            update,
+            mesh=mesh,
+            in_specs=(
+                PartitionSpec(),
+                PartitionSpec("data"),
+                PartitionSpec("data"),
+                PartitionSpec(),
+            ),
+            out_specs=(PartitionSpec(), PartitionSpec()),
+            check_vma=False,
+        )
+    else:
+        state = jax.device_put(state, devices[0])
+        key = jax.device_put(key, devices[0])
+    step = jax.jit(update, donate_argnums=0)
+    holder = {"state": state}
+    holder["state"], loss = step(holder["state"], *batches[0], key)  # compile
+    loss.block_until_ready()
+
+    def run(n_steps):
+        stream = itertools.cycle(batches)
+        in_flight = deque()
+        started = time.perf_counter()
+        state = holder["state"]
+        for _ in range(n_steps):
+            x, y = next(stream)
+            state, loss = step(state, x, y, key)
+            in_flight.append(loss)
+            if len(in_flight) > depth:
+                in_flight.popleft().block_until_ready()
+        loss.block_until_ready()
+        holder["state"] = state
+        return time.perf_counter() - started
+
+    return run
+
+
+def managed(model, optimizer, batches, n_devices, rngs, steps_per_dispatch=1):
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optimizer, cross_entropy, itertools.cycle(batches)),
+        rnkey=jax.random.key(0),
+        collections={"init": ["params", "dropout"], "apply": rngs},
+        devices=jax.devices()[:n_devices],
+        n_steps_per_checkpoint=10**9,  # one checkpoint per run: at its end
+        stdout=False,
+        **({"steps_per_dispatch": steps_per_dispatch} if steps_per_dispatch > 1 else {}),
+    )
+
+    def run(n_steps):
+        started = time.perf_counter()
+        for _ in loop.run(loop.step + n_steps):
+            pass
+        return time.perf_counter() - started
+
+    return run
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(runs, n_steps, repeats):
+    """Alternates the runs `repeats` times; median steps per second of each."""
+    for run in runs.values():
+        run(max(n_steps // 10, 2))  # warm up
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run(n_steps))
+    return {name: n_steps / statistics.median(values) for name, values in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat")
+    parser.add_argument(
+        "--json", default=os.path.join("benchmarks", "results", "loop_overhead.json")
+    )
+    parser.add_argument("--only", default=None, help="run one workload")
+    args = parser.parse_args()
+    repeats = 1 if args.quick else 3
+    rows = []
+    print(
+        f"JAX {jax.__version__}, {os.cpu_count()} cores, {N_DEVICES} forced CPU devices; medians of {repeats}"
+    )
+    header = f"{'workload':<22}{'devices':>8}{'hand-written':>14}{'TrainLoop':>11}{'ratio':>7}  peak RSS MiB"
+    print(header)
+    for name, spec in WORKLOADS.items():
+        if args.only and name != args.only:
+            continue
+        batches = make_batches(spec["shape"], spec["batch"])
+        n_steps = spec["steps"] // (5 if args.quick else 1)
+        for n_devices in spec["devices"]:
+            depth = Placement(jax.devices()[:n_devices]).dispatch_depth
+            optimizer = optax.adam(1e-3)
+            runs = {
+                "hand-written": hand_written(
+                    spec["model"], optimizer, batches, n_devices, spec["rngs"], depth
+                ),
+                "TrainLoop": managed(spec["model"], optimizer, batches, n_devices, spec["rngs"]),
+            }
+            if name == "mlp-64-32-10":
+                runs["TrainLoop, 8 steps per dispatch"] = managed(
+                    spec["model"], optimizer, batches, n_devices, spec["rngs"], steps_per_dispatch=8
+                )
+            rates = measure(runs, n_steps, repeats)
+            base = rates["hand-written"]
+            for variant, rate in rates.items():
+                if variant == "hand-written":
+                    continue
+                row = dict(
+                    workload=name,
+                    devices=n_devices,
+                    variant=variant,
+                    hand_written_steps_per_second=base,
+                    steps_per_second=rate,
+                    ratio=rate / base,
+                    peak_rss_mib=peak_rss_mib(),
+                )
+                rows.append(row)
+                label = name if variant == "TrainLoop" else f"  {variant}"
+                print(
+                    f"{label:<22}{n_devices:>8}{base:>14,.1f}{rate:>11,.1f}{rate / base:>7.2f}  {row['peak_rss_mib']:,.0f}"
+                )
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as handle:
+        json.dump({"jax": jax.__version__, "repeats": repeats, "rows": rows}, handle, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
