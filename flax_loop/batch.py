@@ -182,6 +182,30 @@ class BatchSpec:
                 f"that is a positive multiple of {n_shards}."
             )
 
+    def fast_path(self, raw: Any) -> Batch | None:
+        r"""The normalized batch if `raw` is a plain `(x, y)` of numpy arrays of
+        exactly this spec; `None` otherwise (then normalize and validate).
+
+        The common case costs a few attribute reads per step this way.
+        """
+        if (
+            type(raw) in (tuple, list)
+            and len(raw) == 2
+            and len(self.inputs) == 1
+            and len(self.targets) == 1
+        ):
+            x, y = raw
+            if (
+                type(x) is np.ndarray
+                and type(y) is np.ndarray
+                and x.shape == self.inputs[0][0]
+                and y.shape == self.targets[0][0]
+                and x.dtype == self.inputs[0][1]
+                and y.dtype == self.targets[0][1]
+            ):
+                return (x,), (y,)
+        return None
+
     def validate(self, batch: Batch, step: int | None = None) -> None:
         r"""Checks that a batch has exactly this spec.
 

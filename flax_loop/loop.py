@@ -258,27 +258,30 @@ class TrainLoop:
             skip_nonfinite=nonfinite == "skip",
         )
         sample = self._pending if self._pending is not None else self._peek_for_compile()
-        self._update = compile_update(
-            update,
-            self._placement,
-            self._state,
-            self._place_batch(sample),
-            self._replicated_key,
-        )
-        self._update_many: Callable[..., tuple[TrainState, jax.Array]] | None = None
+        placed = self._place_batch(sample)
+        compile_args = (update, self._placement, self._state, placed, self._replicated_key)
+        # Three variants, all compiled here and none later: a step, the last
+        # step of an interval (which also returns the gradients), and, if
+        # asked for, several steps in one call.
+        self._update = compile_update(*compile_args)
+        self._update_last = compile_update(*compile_args, with_grads=True)
+        self._update_many: Callable[..., Any] | None = None
         if self._steps_per_dispatch > 1:
-            stacked = _stack([sample] * self._steps_per_dispatch)
+            stacked = self._place_batch(_stack([sample] * self._steps_per_dispatch), stacked=True)
             self._update_many = compile_update(
                 update,
                 self._placement,
                 self._state,
-                self._place_batch(stacked, stacked=True),
+                stacked,
                 self._replicated_key,
                 n_steps=self._steps_per_dispatch,
             )
         self._depth = self._placement.dispatch_depth
+        self._grads: Any = None
         self._all_finite = (
-            jax.jit(all_finite).lower((self._state.model_params, self._state.grads)).compile()
+            jax.jit(all_finite)
+            .lower((self._state.model_params, self._state.model_params))
+            .compile()
         )
         self._interval_start = self._step
         console.log(
@@ -433,15 +436,15 @@ class TrainLoop:
     def _next_batches(self, count: int) -> list[Batch]:
         r"""Up to `count` batches; fewer (and `_exhausted` set) at the stream's end."""
         group = []
-        for _ in range(count):
-            batch = self._next_batch()
+        for index in range(count):
+            batch = self._next_batch(self._step + 1 + index)
             if batch is None:
                 self._exhausted = True
                 break
             group.append(batch)
         return group
 
-    def _next_batch(self) -> Batch | None:
+    def _next_batch(self, for_step: int) -> Batch | None:
         if self._pending is not None:
             batch, self._pending = self._pending, None
             return batch
@@ -449,9 +452,12 @@ class TrainLoop:
             raw = next(self._data)
         except StopIteration:
             return None
-        batch = normalize_batch(raw)
-        self._spec.validate(batch, step=self._step + 1)
-        return batch
+        fast = self._spec.fast_path(raw)
+        if fast is not None:
+            return fast
+        normalized = normalize_batch(raw)
+        self._spec.validate(normalized, step=for_step)
+        return normalized
 
     def _place_batch(self, batch: Batch, stacked: bool = False) -> Any:
         if self._placement.multiprocess:
@@ -459,7 +465,13 @@ class TrainLoop:
         return batch
 
     def _run_interval(self, boundary: int, total: int) -> Checkpoint | None:
-        r"""Runs steps up to `boundary`; `None` if the stream ran dry first."""
+        r"""Runs steps up to `boundary`; `None` if the stream ran dry first.
+
+        The last step of an interval also returns its gradients. It is the
+        step at `boundary`, the step whose batch is the stream's last (the
+        loop reads one batch ahead to know), or, once a stop is requested,
+        the step with the batch read ahead, if any.
+        """
         report = self._report
         if report is not None and not report.active:
             report.start(self._step, total)
@@ -469,23 +481,37 @@ class TrainLoop:
         n_completed = 0
         guard = self._guard
         many = self._steps_per_dispatch
-        while self._step < boundary and not guard.requested:
-            group = self._next_batches(many if boundary - self._step >= many else 1)
-            if len(group) == many > 1 and self._update_many is not None:
-                self._state, loss = self._update_many(
-                    self._state,
-                    self._place_batch(_stack(group), stacked=True),
-                    self._replicated_key,
-                )
-            else:
-                for batch in group:
-                    self._state, loss = self._update(
-                        self._state, self._place_batch(batch), self._replicated_key
+        last = False
+        while not last:
+            if guard.requested and self._pending is None:
+                break  # nothing read ahead: the previous step was the last
+            remaining = boundary - self._step
+            if many > 1 and remaining > many and not guard.requested:
+                group = self._next_batches(many)
+                if not group:
+                    break
+                if len(group) == many and self._peek(self._step + many + 1):
+                    assert self._update_many is not None
+                    self._state, loss = self._update_many(
+                        self._state,
+                        self._place_batch(_stack(group), stacked=True),
+                        self._replicated_key,
                     )
-            self._step += len(group)
-            n_completed += len(group)
-            if self._exhausted:
-                break
+                    self._step += many
+                    n_completed += many
+                else:  # the stream ends within or right after the group
+                    for index, grouped in enumerate(group):
+                        loss = self._single(grouped, last=index == len(group) - 1)
+                        n_completed += 1
+                    last = True
+            else:
+                single = self._next_batch(self._step + 1)
+                if single is None:
+                    self._exhausted = True
+                    break
+                last = remaining == 1 or guard.requested or not self._peek(self._step + 2)
+                loss = self._single(single, last)
+                n_completed += 1
             in_flight.append(loss)
             if len(in_flight) > self._depth:
                 in_flight.popleft().block_until_ready()
@@ -493,7 +519,6 @@ class TrainLoop:
                 report.advance(self._step)
         if n_completed == 0:
             return None
-        assert loss is not None
         loss.block_until_ready()
         elapsed = time.perf_counter() - started
         checkpoint = self._checkpoint(loss, n_completed, elapsed, guard.requested)
@@ -501,12 +526,32 @@ class TrainLoop:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
 
+    def _single(self, batch: Batch, last: bool) -> jax.Array:
+        r"""Dispatches one step; the last of an interval keeps its gradients."""
+        placed = self._place_batch(batch)
+        if last:
+            self._state, loss, self._grads = self._update_last(
+                self._state, placed, self._replicated_key
+            )
+        else:
+            self._state, loss = self._update(self._state, placed, self._replicated_key)
+        self._step += 1
+        return loss
+
+    def _peek(self, for_step: int) -> bool:
+        r"""Reads the batch of `for_step` ahead; whether there is one."""
+        if self._pending is None:
+            self._pending = self._next_batch(for_step)
+        if self._pending is None:
+            self._exhausted = True
+        return self._pending is not None
+
     def _checkpoint(
         self, loss: jax.Array, n_completed: int, elapsed: float, preempted: bool
     ) -> Checkpoint:
         state = self._state
         first_step, self._interval_start = self._interval_start + 1, self._step
-        finite = self._all_finite((state.model_params, state.grads))
+        finite = self._all_finite((state.model_params, self._grads))
         last_loss, loss_sum, n_nonfinite, first_bad, finite = to_host(
             (loss, state.loss_sum, state.n_nonfinite, state.first_nonfinite_step, finite)
         )
@@ -522,9 +567,10 @@ class TrainLoop:
                 "NaN or Inf, or pass nonfinite='skip' to TrainLoop to skip such "
                 "updates."
             )
-        params, model_state, optimizer_state, grads = self._placement.copy(
-            (state.model_params, state.model_state, state.optimizer_state, state.grads)
+        params, model_state, optimizer_state = self._placement.copy(
+            (state.model_params, state.model_state, state.optimizer_state)
         )
+        grads, self._grads = self._grads, None
         self._state = state.replace(
             loss_sum=self._placement.replicate(np.zeros((), np.float32)),
             n_nonfinite=self._placement.replicate(np.zeros((), np.int32)),

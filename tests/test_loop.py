@@ -329,7 +329,9 @@ def test_several_steps_per_dispatch_match_single_steps(n_devices):
     def run(steps_per_dispatch):
         loop = TrainLoop(
             init=model.init,
-            task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
+            task=TrainTask(
+                model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)
+            ),
             rnkey=jax.random.key(3),
             n_steps=22,
             n_steps_per_checkpoint=9,
