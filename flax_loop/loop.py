@@ -284,6 +284,7 @@ class TrainLoop:
             .compile()
         )
         self._interval_start = self._step
+        self._n_nonfinite_before = 0
         console.log(
             console.describe_model(
                 params, self._placement.n_devices, time.perf_counter() - started
@@ -552,9 +553,11 @@ class TrainLoop:
         state = self._state
         first_step, self._interval_start = self._interval_start + 1, self._step
         finite = self._all_finite((state.model_params, self._grads))
-        last_loss, loss_sum, n_nonfinite, first_bad, finite = to_host(
-            (loss, state.loss_sum, state.n_nonfinite, state.first_nonfinite_step, finite)
+        last_loss, loss_sum, counters, finite = to_host(
+            (loss, state.loss_sum, state.counters, finite)
         )
+        _, n_bad, first_bad = (int(count) for count in counters)
+        n_nonfinite, self._n_nonfinite_before = n_bad - self._n_nonfinite_before, n_bad
         if self._nonfinite == "raise" and (int(first_bad) or not bool(finite)):
             where = (
                 f"at step {int(first_bad)}"
@@ -573,7 +576,6 @@ class TrainLoop:
         grads, self._grads = self._grads, None
         self._state = state.replace(
             loss_sum=self._placement.replicate(np.zeros((), np.float32)),
-            n_nonfinite=self._placement.replicate(np.zeros((), np.int32)),
         )
         n_finite = n_completed - int(n_nonfinite)
         data_state = None

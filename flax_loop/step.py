@@ -34,8 +34,10 @@ class TrainState(struct.PyTreeNode):
     a small MLP's step here; the last step of an interval returns them.
     """
 
-    step: jax.Array
-    r"""the number of completed steps (int32 scalar)."""
+    counters: jax.Array
+    r"""int32[3]: the number of completed steps, the number of steps whose loss
+    (or, when skipping, gradient) was not finite, and the first such step (0 if
+    none). One array, not three: every leaf costs each step ~0.7 us to pass."""
 
     model_params: Any
     r"""the model's parameters."""
@@ -49,13 +51,10 @@ class TrainState(struct.PyTreeNode):
     loss_sum: jax.Array
     r"""the sum of the finite losses since the last checkpoint."""
 
-    n_nonfinite: jax.Array
-    r"""the number of steps with a non-finite loss or gradient since the last
-    checkpoint."""
-
-    first_nonfinite_step: jax.Array
-    r"""the first step whose loss was not finite (or, when skipping, whose
-    gradient was not); 0 if none."""
+    @property
+    def step(self) -> jax.Array:
+        r"""the number of completed steps."""
+        return self.counters[0]
 
     @classmethod
     def create(
@@ -67,13 +66,11 @@ class TrainState(struct.PyTreeNode):
     ) -> "TrainState":
         r"""A state at `step`, with empty interval sums."""
         return cls(
-            step=jnp.asarray(step, jnp.int32),
+            counters=jnp.asarray([step, 0, 0], jnp.int32),
             model_params=model_params,
             model_state=model_state,
             optimizer_state=optimizer_state,
             loss_sum=jnp.zeros((), jnp.float32),
-            n_nonfinite=jnp.zeros((), jnp.int32),
-            first_nonfinite_step=jnp.zeros((), jnp.int32),
         )
 
 
@@ -162,7 +159,7 @@ def build_update(
     def update(
         state: TrainState, batch: Batch, key: jax.Array
     ) -> tuple[TrainState, tuple[jax.Array, Any]]:
-        step = state.step + 1
+        step = state.counters[0] + 1
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
         rngs = step_keys(key, step, device_index, rng_labels)
         (loss_value, mutated), grads = gradient(state.model_params, state.model_state, batch, rngs)
@@ -185,19 +182,17 @@ def build_update(
                 mutated,
                 {name: state.model_state[name] for name in mutated},
             )
-        first_bad = jnp.where(
-            (state.first_nonfinite_step == 0) & ~finite,
-            step,
-            state.first_nonfinite_step,
+        _, n_bad, first_bad = state.counters
+        bad = (~finite).astype(jnp.int32)
+        counters = jnp.stack(
+            [step, n_bad + bad, jnp.where((first_bad == 0) & (bad == 1), step, first_bad)]
         )
         new_state = state.replace(
-            step=step,
+            counters=counters,
             model_params=optax.apply_updates(state.model_params, updates),
             model_state={**state.model_state, **mutated},
             optimizer_state=optimizer_state,
             loss_sum=state.loss_sum + jnp.where(finite, loss_value, 0.0),
-            n_nonfinite=state.n_nonfinite + (~finite).astype(jnp.int32),
-            first_nonfinite_step=first_bad,
         )
         return new_state, (loss_value.astype(jnp.float32), grads)
 
