@@ -226,8 +226,13 @@ def main():
                 "TrainLoop": managed(spec["model"], optimizer, batches, n_devices, spec["rngs"]),
             }
             if name == "mlp-64-32-10":
-                runs["TrainLoop, 8 steps per dispatch"] = managed(
-                    spec["model"], optimizer, batches, n_devices, spec["rngs"], steps_per_dispatch=8
+                runs["TrainLoop, 32 steps per dispatch"] = managed(
+                    spec["model"],
+                    optimizer,
+                    batches,
+                    n_devices,
+                    spec["rngs"],
+                    steps_per_dispatch=32,
                 )
             rates = measure(runs, n_steps, repeats)
             base = rates["hand-written"]

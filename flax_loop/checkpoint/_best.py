@@ -51,13 +51,17 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
         output_dir: str | None = None,
         keep: int = 1,
         overwrite: bool = True,
+        *,
+        background: bool = False,
     ) -> None:
         if output_dir is None:
             raise ConfigError(f"{type(self).__name__} needs output_dir, the directory to write to.")
         for name, value in (("metric", metric), ("group", group)):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
-        super().__init__(output_dir=output_dir, keep=keep, overwrite=overwrite)
+        super().__init__(
+            output_dir=output_dir, keep=keep, overwrite=overwrite, background=background
+        )
         self.metric = metric
         self.group = group
         stored = CheckpointFileReader(dir=self.output_dir, target=None).read(  # type: ignore[arg-type]

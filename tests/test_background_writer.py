@@ -1,0 +1,137 @@
+"""Background checkpoint writes: same files, errors surface, nothing races or is lost."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import optax
+import pytest
+
+from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+from flax_loop.checkpoint import _file
+from flax_loop.errors import CheckpointError
+from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    x, y, _, _ = digits_split()
+    model = MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(x, y, 32)),
+        rnkey=jax.random.key(0),
+        n_steps=20,
+        n_steps_per_checkpoint=5,
+        stdout=False,
+    )
+    return list(loop)
+
+
+def contents(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+def test_background_files_equal_foreground_files(tmp_path, checkpoints):
+    with CheckpointFileWriter(output_dir=str(tmp_path / "bg"), keep=2, background=True) as writer:
+        for checkpoint in checkpoints:
+            assert writer(checkpoint) is checkpoint
+    foreground = CheckpointFileWriter(output_dir=str(tmp_path / "fg"), keep=2)
+    for checkpoint in checkpoints:
+        foreground(checkpoint)
+    assert contents(tmp_path / "bg") == contents(tmp_path / "fg")
+    assert sorted(contents(tmp_path / "bg")) == ["regular.15.ckpt", "regular.20.ckpt"]
+
+
+def test_the_next_write_waits_for_the_previous_one(tmp_path, checkpoints, monkeypatch):
+    save, order, running = _file.save, [], threading.Event()
+
+    def slow_save(directory, prefix, file, fsync=True):
+        assert not running.is_set(), "two writes overlapped"
+        running.set()
+        time.sleep(0.2)
+        order.append(file.step)
+        try:
+            return save(directory, prefix, file, fsync)
+        finally:
+            running.clear()
+
+    monkeypatch.setattr(_file, "save", slow_save)
+    writer = CheckpointFileWriter(output_dir=str(tmp_path), keep=3, background=True)
+    started = time.perf_counter()
+    writer(checkpoints[0])
+    assert time.perf_counter() - started < 0.15  # the caller did not wait for the file
+    writer(checkpoints[1])  # waits for the first, then returns at once
+    writer.close()
+    assert order == [5, 10]
+    assert sorted(os.listdir(tmp_path)) == ["regular.10.ckpt", "regular.5.ckpt"]
+
+
+def test_a_failed_background_write_raises_at_the_next_write_and_at_wait(
+    tmp_path, checkpoints, monkeypatch
+):
+    writer = CheckpointFileWriter(output_dir=str(tmp_path), background=True)
+    writer(checkpoints[0])
+    writer.wait()
+    before = contents(tmp_path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("flax_loop.checkpoint._format.write", full_disk)
+    writer(checkpoints[1])  # accepted; fails on the worker thread
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        writer(checkpoints[2])
+    assert contents(tmp_path) == before
+    writer(checkpoints[3])
+    with pytest.raises(CheckpointError, match="step 20 .* No space left"):
+        writer.wait()
+    monkeypatch.undo()
+    writer.close()
+    assert contents(tmp_path) == before
+    assert CheckpointFileReader(dir=str(tmp_path), target=None).read(None)["step"] == 5
+
+
+def test_pending_writes_finish_at_interpreter_exit(tmp_path):
+    program = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import jax, optax
+        from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask
+        from flax_loop.checkpoint import _file
+        from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+        save = _file.save
+        def slow_save(*args, **kwargs):
+            time.sleep(1.0)
+            return save(*args, **kwargs)
+        _file.save = slow_save
+
+        x, y, _, _ = digits_split()
+        model = MLP()
+        loop = TrainLoop(init=model.init, rnkey=jax.random.key(0), n_steps=5, n_steps_per_checkpoint=5,
+                         task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(x, y, 32)), stdout=False)
+        writer = CheckpointFileWriter(output_dir={str(tmp_path)!r}, background=True)
+        for checkpoint in loop:
+            writer(checkpoint)
+        print("LEAVING", flush=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "LEAVING" in result.stdout
+    assert os.listdir(tmp_path) == ["regular.5.ckpt"]
+    assert CheckpointFileReader(dir=str(tmp_path), target=None).read(None)["step"] == 5
