@@ -181,6 +181,78 @@ def managed(model, optimizer, batches, n_devices, rngs, steps_per_dispatch=1):
     return run
 
 
+def hand_written_scan(model, optimizer, batches, steps_per_call):
+    """The ceiling for several steps per dispatch: a jitted lax.scan, batches pre-stacked."""
+    x0, _ = batches[0]
+    params = model.init(jax.random.key(0), x0)["params"]
+
+    def update(state, xy):
+        params, opt_state = state
+        x, y = xy
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(model.apply({"params": p}, x), y))(
+            params
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    many = jax.jit(lambda state, xs, ys: jax.lax.scan(update, state, (xs, ys)), donate_argnums=0)
+    groups = [
+        tuple(
+            np.stack([batches[(i + j) % len(batches)][k] for j in range(steps_per_call)])
+            for k in (0, 1)
+        )
+        for i in range(0, len(batches), steps_per_call)
+    ]
+    holder = {"state": (params, optimizer.init(params))}
+    holder["state"], losses = many(holder["state"], *groups[0])
+    losses.block_until_ready()
+
+    def run(n_steps):
+        stream = itertools.cycle(groups)
+        started = time.perf_counter()
+        state = holder["state"]
+        for _ in range(n_steps // steps_per_call):
+            state, losses = many(state, *next(stream))
+        losses.block_until_ready()
+        holder["state"] = state
+        return time.perf_counter() - started
+
+    return run
+
+
+def memory_child(variant):
+    """Runs one variant alone; prints its peak resident memory."""
+    spec = WORKLOADS["mlp-784-512-512-10"]
+    batches = make_batches(spec["shape"], spec["batch"])
+    optimizer = optax.adam(1e-3)
+    if variant == "hand-written":
+        run = hand_written(
+            spec["model"], optimizer, batches, 1, [], Placement(jax.devices()[:1]).dispatch_depth
+        )
+    else:
+        run = managed(spec["model"], optimizer, batches, 1, [])
+    run(300)
+    print(f"PEAK {peak_rss_mib():.1f}", flush=True)
+
+
+def memory_rows():
+    import subprocess
+
+    peaks = {}
+    for variant in ("hand-written", "TrainLoop"):
+        values = []
+        for _ in range(3):
+            output = subprocess.run(
+                [sys.executable, __file__, "--memory-child", variant],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            ).stdout
+            values.append(float(output.split("PEAK ")[1]))
+        peaks[variant] = statistics.median(values)
+    return peaks
+
+
 def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -203,7 +275,11 @@ def main():
         "--json", default=os.path.join("benchmarks", "results", "loop_overhead.json")
     )
     parser.add_argument("--only", default=None, help="run one workload")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child)
+        return
     repeats = 1 if args.quick else 3
     rows = []
     print(
