@@ -254,6 +254,12 @@ def memory_rows():
 
 
 def peak_rss_mib():
+    """This process's resident-memory high-water mark (VmHWM: unlike ru_maxrss,
+    it is not inherited from the parent across exec)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -280,7 +286,7 @@ def main():
     if args.memory_child:
         memory_child(args.memory_child)
         return
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
     rows = []
     print(
         f"JAX {jax.__version__}, {os.cpu_count()} cores, {N_DEVICES} forced CPU devices; medians of {repeats}"
