@@ -14,7 +14,7 @@ is masked out: every example counts once, none is dropped.
 """
 
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from flax_loop import distributed
 from flax_loop.batch import Batch, normalize_batch
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
 from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
@@ -141,7 +142,8 @@ class EvalLoop:
             raise ConfigError(
                 f"EvalLoop takes a Checkpoint (or Summary); got {type(checkpoint).__name__}."
             )
-        return summarize(checkpoint, self._group, self.evaluate(checkpoint))
+        with distributed.failing_together():
+            return summarize(checkpoint, self._group, self.evaluate(checkpoint))
 
     def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
         r"""The metrics of the checkpoint's model, averaged over examples."""
@@ -151,8 +153,12 @@ class EvalLoop:
         step_key = jax.random.fold_in(self._key, int(checkpoint.step))
         totals: Totals | None = None
         in_flight: deque[jax.Array] = deque()
-        for index, batch in enumerate(self._batches()):
-            inputs, targets, mask = self._pad(batch)
+        batches: Iterable[Batch] = self._batches()
+        pad_to = None
+        if self._placement.multiprocess:
+            batches, pad_to = self._agreed_batches(list(batches))
+        for index, batch in enumerate(batches):
+            inputs, targets, mask = self._pad(batch, pad_to)
             if totals is None:
                 totals = self._placement.replicate(
                     {name: np.zeros((), np.float32) for name in [*self._task.metrics, "__count__"]}
@@ -208,7 +214,26 @@ class EvalLoop:
         self._stream = restarted
         return next(self._stream, None)
 
-    def _pad(self, batch: Batch) -> tuple[Any, Any, Any]:
+    def _agreed_batches(self, batches: list[Batch]) -> tuple[list[Batch], int]:
+        r"""The same number of batches of the same size on every process.
+
+        Processes may hold different numbers of examples; each evaluates as
+        many batches as the process with the most, padding with empty (fully
+        masked) ones, all padded to the largest batch of any process.
+        """
+        counts = distributed.gather(len(batches))
+        if min(counts) == 0:
+            raise DataExhaustedError(
+                f"Process {counts.index(0)} has no eval batch (batches per process: "
+                f"{counts}); give every process at least one."
+            )
+        n = self._placement.n_local_devices
+        largest = max(max(np.shape(b[0][0])[0] for b in batches), 1)
+        pad_to = max(distributed.gather(-(-largest // n) * n))
+        empty = jax.tree.map(lambda leaf: np.asarray(leaf)[:0], batches[0])
+        return batches + [empty] * (max(counts) - len(batches)), pad_to
+
+    def _pad(self, batch: Batch, pad_to: int | None = None) -> tuple[Any, Any, Any]:
         inputs, targets = batch
         sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in inputs + targets}
         if len(sizes) != 1 or None in sizes:
@@ -221,7 +246,7 @@ class EvalLoop:
         padded = -(-size // n) * n
         if self._batch_size is None:
             self._batch_size = padded
-        padded = max(self._batch_size, padded)
+        padded = pad_to if pad_to is not None else max(self._batch_size, padded)
 
         def pad(leaf: Any) -> Any:
             leaf = np.asarray(leaf)

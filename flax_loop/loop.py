@@ -26,7 +26,7 @@ import optax
 from flax.core import unfreeze
 from flax.core.scope import CollectionFilter, DenyList
 
-from flax_loop import console
+from flax_loop import console, distributed
 from flax_loop.batch import Batch, BatchSpec, normalize_batch, normalize_group
 from flax_loop.checkpoint._checkpoint import Checkpoint
 from flax_loop.checkpoint._file import CheckpointFile
@@ -163,6 +163,42 @@ class TrainLoop:
             DataExhaustedError: if the data stream yields no batch.
             InitError: if `init` fails.
         """
+        with distributed.failing_together():
+            self._construct(
+                init=init,
+                task=task,
+                rnkey=rnkey,
+                input_sample=input_sample,
+                n_steps_per_checkpoint=n_steps_per_checkpoint,
+                n_steps=n_steps,
+                collections=collections,
+                mutable_collections=mutable_collections,
+                devices=devices,
+                stdout=stdout,
+                nonfinite=nonfinite,
+                progress=progress,
+                preemption_signals=preemption_signals,
+                steps_per_dispatch=steps_per_dispatch,
+            )
+
+    def _construct(
+        self,
+        *,
+        init: InitFn | CheckpointFileReader,
+        task: TrainTask,
+        rnkey: Any,
+        input_sample: Any = None,
+        n_steps_per_checkpoint: int = 1,
+        n_steps: int = 0,
+        collections: Mapping[str, Sequence[str]] | None = None,
+        mutable_collections: CollectionFilter = DEFAULT_MUTABLE_COLLECTIONS,
+        devices: Sequence[Any] | None = None,
+        stdout: bool = True,
+        nonfinite: str = "raise",
+        progress: bool = False,
+        preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
+        steps_per_dispatch: int = 1,
+    ) -> None:
         started = time.perf_counter()
         self._n_steps = _check_count("n_steps", n_steps, 0)
         self._n_steps_per_checkpoint = _check_count(
@@ -204,6 +240,7 @@ class TrainLoop:
         self._pending: Batch | None = self._first_batch()
         self._spec = BatchSpec.of(self._pending)
         self._spec.check_batch_axis(self._placement.n_local_devices)
+        distributed.agree("the process-local batch size", self._spec.batch_size)
         self._exhausted = False
 
         inputs = (
@@ -240,7 +277,7 @@ class TrainLoop:
                     key = loaded.rnkey
                 self._restore_data_state(loaded.data_state)
                 console.log(f"Resumed from step {step} of {reader.dir}.", stdout=stdout)
-        self._step = step
+        self._step = distributed.agree("the step to resume from", step)
         self._key = key
         self._replicated_key = self._placement.replicate(_train_key(key))
         self._state = self._placement.replicate(
@@ -368,25 +405,32 @@ class TrainLoop:
     def _run(self, target: int | None) -> Iterator[Checkpoint]:
         self._guard.install()
         try:
-            while True:
-                stop = self._n_steps if target is None else target
-                if self._step >= stop or self._exhausted:
-                    return
-                checkpoint = self._run_interval(self._boundary(stop), total=stop)
-                if checkpoint is None:
-                    return
-                yield checkpoint
-                if checkpoint.preempted:
-                    return
+            with distributed.failing_together():
+                while True:
+                    stop = self._n_steps if target is None else target
+                    if self._step >= stop or self._exhausted:
+                        return
+                    checkpoint = self._run_interval(self._boundary(stop), total=stop)
+                    if checkpoint is None:
+                        return
+                    yield checkpoint
+                    if checkpoint.preempted:
+                        return
         finally:
             self._stop_iterating()
 
     def _run_alone(self, boundary: int) -> Checkpoint | None:
         self._guard.install()
         try:
-            return self._run_interval(boundary, total=boundary)
+            with distributed.failing_together():
+                return self._run_interval(boundary, total=boundary)
         finally:
             self._stop_iterating()
+
+    def _stop_requested(self) -> bool:
+        # Several processes must stop at the same step: they agree on it at the
+        # next checkpoint (see _checkpoint) instead of at the next step.
+        return self._guard.requested and not self._placement.multiprocess
 
     def _stop_iterating(self) -> None:
         self._guard.uninstall()
@@ -452,6 +496,13 @@ class TrainLoop:
         try:
             raw = next(self._data)
         except StopIteration:
+            if self._placement.multiprocess:
+                raise DataExhaustedError(
+                    f"The data stream of process {jax.process_index()} ended before step "
+                    f"{for_step}. With several processes every stream must yield a batch "
+                    "for every step, so that all take the same steps: give each process "
+                    "an endless stream and stop with n_steps."
+                ) from None
             return None
         fast = self._spec.fast_path(raw)
         if fast is not None:
@@ -480,14 +531,14 @@ class TrainLoop:
         in_flight: deque[jax.Array] = deque()
         loss: Any = None
         n_completed = 0
-        guard = self._guard
         many = self._steps_per_dispatch
         last = False
         while not last:
-            if guard.requested and self._pending is None:
+            stopping = self._stop_requested()
+            if stopping and self._pending is None:
                 break  # nothing read ahead: the previous step was the last
             remaining = boundary - self._step
-            if many > 1 and remaining > many and not guard.requested:
+            if many > 1 and remaining > many and not stopping:
                 group = self._next_batches(many)
                 if not group:
                     break
@@ -510,7 +561,7 @@ class TrainLoop:
                 if single is None:
                     self._exhausted = True
                     break
-                last = remaining == 1 or guard.requested or not self._peek(self._step + 2)
+                last = remaining == 1 or stopping or not self._peek(self._step + 2)
                 loss = self._single(single, last)
                 n_completed += 1
             in_flight.append(loss)
@@ -522,7 +573,10 @@ class TrainLoop:
             return None
         loss.block_until_ready()
         elapsed = time.perf_counter() - started
-        checkpoint = self._checkpoint(loss, n_completed, elapsed, guard.requested)
+        preempted = self._guard.requested
+        if self._placement.multiprocess:
+            preempted = any(distributed.gather(int(preempted)))
+        checkpoint = self._checkpoint(loss, n_completed, elapsed, preempted)
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint

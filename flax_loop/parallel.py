@@ -84,7 +84,9 @@ class Placement:
             return jax.device_put(tree, self.replicated)
 
         def place(leaf: Any) -> jax.Array:
-            host = np.asarray(leaf)
+            if isinstance(leaf, jax.Array) and leaf.sharding == self.replicated:
+                return leaf
+            host = to_host(leaf)
             return jax.make_array_from_callback(
                 host.shape, self.replicated, lambda index: host[index]
             )
@@ -97,7 +99,7 @@ class Placement:
         A checkpoint holds such copies, so they stay valid after the loop
         donates its own buffers to the next step.
         """
-        return jax.device_put(tree, may_alias=False)
+        return jax.tree.map(lambda leaf: jax.device_put(leaf, leaf.sharding, may_alias=False), tree)
 
     def shard_batch(self, tree: Any, stacked: bool = False) -> Any:
         r"""Splits the process-local batch along its batch axis over the mesh.
