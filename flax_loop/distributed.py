@@ -88,7 +88,7 @@ class FailureWatcher:
     ...     train()      # if process 1 fails, process 0 exits within ~1 s
     """
 
-    def __init__(self, poll_seconds: float = 1.0) -> None:
+    def __init__(self, poll_seconds: float = 0.25) -> None:
         self._poll_ms = int(poll_seconds * 1000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,6 +104,10 @@ class FailureWatcher:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
+        if self._thread is not None:
+            # The thread must leave its blocking call before jax.distributed
+            # shuts its client down, or the process aborts at exit.
+            self._thread.join(timeout=10 * self._poll_ms / 1000)
 
     def _watch(self, client: Any) -> None:
         me = str(jax.process_index())
@@ -143,6 +147,9 @@ class failing_together:
             with _watcher_lock:
                 if _watcher is None:
                     _watcher = FailureWatcher().__enter__()
+                    # Registered now, after jax.distributed.initialize registered
+                    # its shutdown, so that it runs first at exit.
+                    atexit.register(_stop_watching)
         return self
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
@@ -155,4 +162,25 @@ def _stop_watching() -> None:
         _watcher.__exit__()
 
 
-atexit.register(_stop_watching)
+def gather_objects(name: str, value: Any) -> list[Any]:
+    r"""Every process's msgpack-able `value`, in process order.
+
+    Sent through `jax.distributed`'s key-value store under `name`, which must
+    be new for each call (e.g. carry the step number).
+    """
+    if not is_multiprocess():
+        return [value]
+    import base64
+
+    import msgpack
+
+    client = _client()
+    key = f"flax_loop/{name}"
+    client.key_value_set(
+        f"{key}/{jax.process_index()}",
+        base64.b64encode(msgpack.packb(value, use_bin_type=True)).decode(),
+    )
+    return [
+        msgpack.unpackb(base64.b64decode(client.blocking_key_value_get(f"{key}/{index}", 600_000)))
+        for index in range(jax.process_count())
+    ]

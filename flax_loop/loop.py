@@ -53,6 +53,9 @@ from flax_loop.task import TrainTask
 
 InitFn = Callable[..., Any]
 
+PER_PROCESS = "flax_loop/per_process"
+r"""The key of a data state saved by several processes, one per process."""
+
 DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
 r"""every collection but `intermediates` may change while training."""
 
@@ -468,6 +471,14 @@ class TrainLoop:
 
     def _restore_data_state(self, data_state: Any) -> None:
         can_restore = callable(getattr(self._data, "set_state", None))
+        if isinstance(data_state, dict) and PER_PROCESS in data_state:
+            states = data_state[PER_PROCESS]
+            if len(states) == jax.process_count():
+                data_state = states[jax.process_index()]
+            elif all(state == states[0] for state in states):
+                data_state = states[0]
+            else:
+                data_state = None  # written by another number of processes
         if data_state is not None and can_restore:
             self._data.set_state(data_state)  # type: ignore[attr-defined]
             self._pending = None  # read before the stream was repositioned
@@ -636,6 +647,9 @@ class TrainLoop:
         get_state = getattr(self._data, "get_state", None)
         if callable(get_state):
             data_state = get_state()
+            if self._placement.multiprocess:
+                states = distributed.gather_objects(f"data_state/{self._step}", data_state)
+                data_state = {PER_PROCESS: states}
         return Checkpoint(
             model_params=params,
             model_state=model_state,

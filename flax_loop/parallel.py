@@ -86,6 +86,9 @@ class Placement:
         def place(leaf: Any) -> jax.Array:
             if isinstance(leaf, jax.Array) and leaf.sharding == self.replicated:
                 return leaf
+            if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+                data = place(jax.random.key_data(leaf))
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
             host = to_host(leaf)
             return jax.make_array_from_callback(
                 host.shape, self.replicated, lambda index: host[index]

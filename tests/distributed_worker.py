@@ -1,0 +1,128 @@
+"""One process of a multi-process training run, for the multi-process tests.
+
+    python -m tests.distributed_worker --process-id 0 --num-processes 2 --port P \
+        --devices 2 --n-steps 20 --out params.npz [--dir CKPTS] [--bad-batch-at 5]
+
+Every process trains on its share of the same global batches (32 digits a
+step, split in process order) with Adam; process 0 saves the final
+parameters (and, with --eval, the test accuracy across processes).
+"""
+
+import argparse
+import os
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--n-steps", type=int, default=20)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--bad-batch-at", type=int, default=0)
+    parser.add_argument("--eval", action="store_true")
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    import jax
+
+    if args.num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=60,
+        )
+    import numpy as np
+    import optax
+    from flax import traverse_util
+
+    from flax_loop import (
+        CheckpointFileReader,
+        CheckpointFileWriter,
+        EvalLoop,
+        EvalTask,
+        TrainLoop,
+        TrainTask,
+    )
+    from tests.helpers import MLP, accuracy, cross_entropy, digits_split
+
+    x, y, x_test, y_test = digits_split()
+    share = 32 // args.num_processes
+    low, high = args.process_id * share, (args.process_id + 1) * share
+
+    class LocalBatches:
+        """This process's share of the global batches; resumable."""
+
+        def __init__(self):
+            self.step = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.step += 1
+            index = np.random.default_rng([7, self.step]).choice(len(x), 32, replace=False)
+            mine = index[low:high]
+            if self.step == args.bad_batch_at and args.process_id == args.num_processes - 1:
+                mine = mine[:-2]
+            return x[mine], y[mine]
+
+        def get_state(self):
+            return {"step": self.step}
+
+        def set_state(self, state):
+            self.step = state["step"]
+
+    local_batches = LocalBatches
+
+    model = MLP()
+    init = CheckpointFileReader(dir=args.dir, target=model.init) if args.dir else model.init
+    loop = TrainLoop(
+        init=init,
+        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, local_batches()),
+        rnkey=jax.random.key(0),
+        n_steps=args.n_steps,
+        n_steps_per_checkpoint=args.every,
+    )
+    writer = CheckpointFileWriter(output_dir=args.dir) if args.dir else None
+    print(f"START {loop.step}", flush=True)
+    checkpoint = None
+    for checkpoint in loop:
+        if writer:
+            writer(checkpoint)
+        print(f"STEP {checkpoint.step} loss {checkpoint.loss:.6f}", flush=True)
+    result = {}
+    if checkpoint is not None:
+        result.update(
+            traverse_util.flatten_dict(
+                jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), checkpoint.model_params),
+                sep="/",
+            )
+        )
+        if args.eval:
+            # Processes hold different numbers of test examples: 160 and 140.
+            bounds = [0, 160, 300] if args.num_processes == 2 else [0, 300]
+            mine_x = x_test[bounds[args.process_id] : bounds[args.process_id + 1]]
+            mine_y = y_test[bounds[args.process_id] : bounds[args.process_id + 1]]
+            data = [(mine_x[i : i + 48], mine_y[i : i + 48]) for i in range(0, len(mine_x), 48)]
+            summary = EvalLoop(
+                EvalTask(model.apply, {"accuracy": accuracy}, data),
+                rnkey=jax.random.key(1),
+                n_steps=None,
+            )(checkpoint)
+            result["accuracy"] = np.asarray(summary.metrics["eval"]["accuracy"])
+    if args.out and args.process_id == 0:
+        np.savez(args.out, step=loop.step, **result)
+    print(f"DONE {loop.step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Several processes with jax.distributed (gloo on CPU), on 127.0.0.1 only.
+
+Every process is bounded by a timeout and killed at the end; ports are free
+ones picked by the OS.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(n_processes, *args, timeout=TIMEOUT):
+    """Runs `n_processes` workers (4 devices in all); returns their (code, output)."""
+    port = free_port()
+    devices = 4 // n_processes
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed_worker",
+                "--process-id",
+                str(index),
+                "--num-processes",
+                str(n_processes),
+                "--port",
+                str(port),
+                "--devices",
+                str(devices),
+                *map(str, args),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for index in range(n_processes)
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results.append((process.returncode, output))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def succeed(n_processes, *args):
+    results = launch(n_processes, *args)
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    return results
+
+
+def params(path):
+    data = np.load(path)
+    return {name: data[name] for name in data.files}
+
+
+def assert_close(a, b, rtol):
+    assert a.keys() == b.keys()
+    for name in a:
+        if name == "step":
+            assert int(a[name]) == int(b[name])
+            continue
+        scale = np.max(np.abs(b[name])) + 1e-12
+        assert np.max(np.abs(a[name] - b[name])) / scale < rtol, name
+
+
+def test_two_processes_compute_what_one_process_computes(tmp_path):
+    succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz", "--eval")
+    results = succeed(2, "--n-steps", 20, "--out", tmp_path / "two.npz", "--eval")
+    one, two = params(tmp_path / "one.npz"), params(tmp_path / "two.npz")
+    assert_close(two, one, 1e-6)
+    # Exactly one process prints (process 0).
+    assert "Model:" in results[0][1] and "Model:" not in results[1][1]
+
+
+def test_eval_across_processes_with_different_example_counts(tmp_path):
+    from tests.helpers import MLP, digits_split
+
+    succeed(2, "--n-steps", 10, "--out", tmp_path / "two.npz", "--eval")
+    result = params(tmp_path / "two.npz")
+    _, _, x_test, y_test = digits_split()
+    weights = {
+        "params": {
+            layer: {"kernel": result[f"{layer}/kernel"], "bias": result[f"{layer}/bias"]}
+            for layer in ("Dense_0", "Dense_1")
+        }
+    }
+    logits = np.asarray(MLP().apply(weights, x_test))
+    expected = float(np.mean(np.argmax(logits, -1) == y_test))
+    assert float(result["accuracy"]) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("first, second", [(1, 2), (2, 1)], ids=["1-to-2", "2-to-1"])
+def test_resume_across_process_counts(tmp_path, first, second):
+    directory = tmp_path / "checkpoints"
+    succeed(first, "--n-steps", 10, "--dir", directory)
+    assert sorted(os.listdir(directory)) == ["regular.10.ckpt"]
+    results = succeed(
+        second, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "resumed.npz"
+    )
+    assert all("START 10" in output for _, output in results)
+    succeed(1, "--n-steps", 20, "--out", tmp_path / "straight.npz")
+    assert_close(params(tmp_path / "resumed.npz"), params(tmp_path / "straight.npz"), 1e-6)
+    assert sorted(os.listdir(directory)) == ["regular.20.ckpt"]
+
+
+def test_a_bad_batch_on_one_process_stops_every_process(tmp_path):
+    started = time.monotonic()
+    results = launch(2, "--n-steps", 20, "--bad-batch-at", 5, timeout=120)
+    elapsed = time.monotonic() - started
+    (code_0, output_0), (code_1, output_1) = results
+    assert code_1 != 0 and "BatchError" in output_1 and "(14, 64)" in output_1
+    assert code_0 != 0
+    assert "process 1 failed" in output_0 and "BatchError" in output_0
+    assert elapsed < 120
