@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--bad-batch-at", type=int, default=0)
     parser.add_argument("--eval", action="store_true")
+    parser.add_argument("--tensorboard", default=None)
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -119,6 +120,14 @@ def main() -> None:
                 n_steps=None,
             )(checkpoint)
             result["accuracy"] = np.asarray(summary.metrics["eval"]["accuracy"])
+            from flax_loop.console import SummaryLogger
+
+            SummaryLogger()(summary)
+            if args.tensorboard:
+                from flax_loop.tensorboard import SummaryWriter
+
+                with SummaryWriter(args.tensorboard) as tensorboard:
+                    tensorboard(summary)
     if args.out and args.process_id == 0:
         np.savez(args.out, step=loop.step, **result)
     print(f"DONE {loop.step}", flush=True)

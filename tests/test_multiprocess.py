@@ -88,11 +88,15 @@ def assert_close(a, b, rtol):
 
 def test_two_processes_compute_what_one_process_computes(tmp_path):
     succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz", "--eval")
-    results = succeed(2, "--n-steps", 20, "--out", tmp_path / "two.npz", "--eval")
+    results = succeed(
+        2, "--n-steps", 20, "--out", tmp_path / "two.npz", "--eval", "--tensorboard", tmp_path / "tb"
+    )
     one, two = params(tmp_path / "one.npz"), params(tmp_path / "two.npz")
     assert_close(two, one, 1e-6)
-    # Exactly one process prints (process 0).
+    # Exactly one process prints and writes events (process 0).
     assert "Model:" in results[0][1] and "Model:" not in results[1][1]
+    assert "Step 20:" in results[0][1] and "Step 20:" not in results[1][1]
+    assert len(os.listdir(tmp_path / "tb")) == 1
 
 
 def test_eval_across_processes_with_different_example_counts(tmp_path):
