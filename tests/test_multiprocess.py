@@ -89,7 +89,14 @@ def assert_close(a, b, rtol):
 def test_two_processes_compute_what_one_process_computes(tmp_path):
     succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz", "--eval")
     results = succeed(
-        2, "--n-steps", 20, "--out", tmp_path / "two.npz", "--eval", "--tensorboard", tmp_path / "tb"
+        2,
+        "--n-steps",
+        20,
+        "--out",
+        tmp_path / "two.npz",
+        "--eval",
+        "--tensorboard",
+        tmp_path / "tb",
     )
     one, two = params(tmp_path / "one.npz"), params(tmp_path / "two.npz")
     assert_close(two, one, 1e-6)
