@@ -67,10 +67,10 @@ def cross_entropy(logits, labels):
 
 WORKLOADS = {
     "mlp-784-512-512-10": dict(
-        model=MLP((512, 512, 10)), shape=(784,), batch=128, steps=600, devices=(1, 2, 4), rngs=[]
+        model=MLP((512, 512, 10)), shape=(784,), batch=128, steps=400, devices=(1, 2, 4), rngs=[]
     ),
     "cnn-bn-dropout": dict(
-        model=CNN(), shape=(28, 28, 1), batch=64, steps=60, devices=(1, 4), rngs=["dropout"]
+        model=CNN(), shape=(28, 28, 1), batch=64, steps=40, devices=(1, 4), rngs=["dropout"]
     ),
     "mlp-64-32-10": dict(
         model=MLP((32, 10)), shape=(64,), batch=32, steps=6000, devices=(1,), rngs=[]
@@ -264,14 +264,25 @@ def peak_rss_mib():
 
 
 def measure(runs, n_steps, repeats):
-    """Alternates the runs `repeats` times; median steps per second of each."""
+    """Alternates the runs `repeats` times.
+
+    Returns each run's median steps per second and, for each run, the median
+    of its per-round ratio to the first run (paired rounds cancel much of this
+    2-core machine's drift, which moves single timings by +-15%).
+    """
     for run in runs.values():
         run(max(n_steps // 10, 2))  # warm up
     times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             times[name].append(run(n_steps))
-    return {name: n_steps / statistics.median(values) for name, values in times.items()}
+    base = next(iter(times.values()))
+    rates = {name: n_steps / statistics.median(values) for name, values in times.items()}
+    ratios = {
+        name: statistics.median(b / t for b, t in zip(base, values))
+        for name, values in times.items()
+    }
+    return rates, ratios
 
 
 def main():
@@ -286,10 +297,10 @@ def main():
     if args.memory_child:
         memory_child(args.memory_child)
         return
-    repeats = 1 if args.quick else 5
+    repeats = 1 if args.quick else 7
     rows = []
     print(
-        f"JAX {jax.__version__}, {os.cpu_count()} cores, {N_DEVICES} forced CPU devices; medians of {repeats}"
+        f"JAX {jax.__version__}, {os.cpu_count()} cores, {N_DEVICES} forced CPU devices; medians of {repeats} rounds; ratio = median of per-round ratios"
     )
     header = f"{'workload':<22}{'devices':>8}{'hand-written':>14}{'TrainLoop':>11}{'ratio':>7}  peak RSS MiB"
     print(header)
@@ -319,7 +330,7 @@ def main():
                 runs["hand-written scan, 32 per call"] = hand_written_scan(
                     spec["model"], optimizer, batches, 32
                 )
-            rates = measure(runs, n_steps, repeats)
+            rates, ratios = measure(runs, n_steps, repeats)
             base = rates["hand-written"]
             for variant, rate in rates.items():
                 if variant == "hand-written":
@@ -330,13 +341,13 @@ def main():
                     variant=variant,
                     hand_written_steps_per_second=base,
                     steps_per_second=rate,
-                    ratio=rate / base,
+                    ratio=ratios[variant],
                     peak_rss_mib=peak_rss_mib(),
                 )
                 rows.append(row)
                 label = name if variant == "TrainLoop" else f"  {variant}"
                 print(
-                    f"{label:<22}{n_devices:>8}{base:>14,.1f}{rate:>11,.1f}{rate / base:>7.2f}  {row['peak_rss_mib']:,.0f}"
+                    f"{label:<22}{n_devices:>8}{base:>14,.1f}{rate:>11,.1f}{ratios[variant]:>7.2f}  {row['peak_rss_mib']:,.0f}"
                 )
     memory = None
     if not args.only or args.only == "mlp-784-512-512-10":

@@ -38,7 +38,7 @@ from flax_loop.errors import (
     InitError,
     NonFiniteError,
 )
-from flax_loop.parallel import Placement, to_host
+from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, into_collection, labels_of
@@ -184,23 +184,23 @@ class TrainLoop:
                 steps_per_dispatch=steps_per_dispatch,
             )
 
-    def _construct(
+    def _construct(  # the body of __init__, run inside failing_together()
         self,
         *,
         init: InitFn | CheckpointFileReader,
         task: TrainTask,
         rnkey: Any,
-        input_sample: Any = None,
-        n_steps_per_checkpoint: int = 1,
-        n_steps: int = 0,
-        collections: Mapping[str, Sequence[str]] | None = None,
-        mutable_collections: CollectionFilter = DEFAULT_MUTABLE_COLLECTIONS,
-        devices: Sequence[Any] | None = None,
-        stdout: bool = True,
-        nonfinite: str = "raise",
-        progress: bool = False,
-        preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
-        steps_per_dispatch: int = 1,
+        input_sample: Any,
+        n_steps_per_checkpoint: int,
+        n_steps: int,
+        collections: Mapping[str, Sequence[str]] | None,
+        mutable_collections: CollectionFilter,
+        devices: Sequence[Any] | None,
+        stdout: bool,
+        nonfinite: str,
+        progress: bool,
+        preemption_signals: Sequence[int],
+        steps_per_dispatch: int,
     ) -> None:
         started = time.perf_counter()
         self._n_steps = _check_count("n_steps", n_steps, 0)
@@ -264,7 +264,6 @@ class TrainLoop:
         optimizer_state = _init_optimizer(optimizer, params)
 
         step = 0
-        self._data_state_note = False
         if reader is not None:
             initializer = CheckpointFile(
                 model_params=params,
@@ -287,7 +286,7 @@ class TrainLoop:
             TrainState.create(params, model_state, optimizer_state, step)
         )
 
-        axis_name = "data" if self._placement.n_devices > 1 else None
+        axis_name = DATA_AXIS if self._placement.n_devices > 1 else None
         update = build_update(
             task.apply,
             task.loss,
@@ -483,9 +482,15 @@ class TrainLoop:
             self._data.set_state(data_state)  # type: ignore[attr-defined]
             self._pending = None  # read before the stream was repositioned
         elif self._stdout:
+            why = (
+                "the checkpoint holds no state of it (or one written by another "
+                "number of processes)"
+                if can_restore
+                else "it has no get_state/set_state"
+            )
             console.log(
-                "The data stream cannot be repositioned (it has no "
-                "get_state/set_state); it continues from its current position.",
+                f"The data stream cannot be repositioned ({why}); it continues "
+                "from its current position.",
                 stdout=True,
             )
 
