@@ -429,11 +429,6 @@ class TrainLoop:
         finally:
             self._stop_iterating()
 
-    def _stop_requested(self) -> bool:
-        # Several processes must stop at the same step: they agree on it at the
-        # next checkpoint (see _checkpoint) instead of at the next step.
-        return self._guard.requested and not self._placement.multiprocess
-
     def _stop_iterating(self) -> None:
         self._guard.uninstall()
         if self._report is not None:
@@ -548,9 +543,16 @@ class TrainLoop:
         loss: Any = None
         n_completed = 0
         many = self._steps_per_dispatch
+        # The per-step path reads locals only: at ~25 us a step (a small MLP on
+        # this CPU), each attribute lookup or call here is measurable.
+        guard, multiprocess = self._guard, self._placement.multiprocess
+        update, key, depth = self._update, self._replicated_key, self._depth
+        next_batch = self._next_batch
         last = False
         while not last:
-            stopping = self._stop_requested()
+            # Several processes must stop at the same step: they agree on it at
+            # the checkpoint, not at the next step.
+            stopping = guard.requested and not multiprocess
             if stopping and self._pending is None:
                 break  # nothing read ahead: the previous step was the last
             remaining = boundary - self._step
@@ -573,15 +575,19 @@ class TrainLoop:
                         n_completed += 1
                     last = True
             else:
-                single = self._next_batch(self._step + 1)
+                single = next_batch(self._step + 1)
                 if single is None:
                     self._exhausted = True
                     break
                 last = remaining == 1 or stopping or not self._peek(self._step + 2)
-                loss = self._single(single, last)
+                if last or multiprocess:
+                    loss = self._single(single, last)
+                else:
+                    self._state, loss = update(self._state, single, key)
+                    self._step += 1
                 n_completed += 1
             in_flight.append(loss)
-            if len(in_flight) > self._depth:
+            if len(in_flight) > depth:
                 in_flight.popleft().block_until_ready()
             if report is not None:
                 report.advance(self._step)
@@ -613,9 +619,10 @@ class TrainLoop:
         r"""Reads the batch of `for_step` ahead; whether there is one."""
         if self._pending is None:
             self._pending = self._next_batch(for_step)
-        if self._pending is None:
-            self._exhausted = True
-        return self._pending is not None
+            if self._pending is None:
+                self._exhausted = True
+                return False
+        return True
 
     def _checkpoint(
         self, loss: jax.Array, n_completed: int, elapsed: float, preempted: bool
