@@ -651,7 +651,7 @@ class TrainLoop:
             (state.model_params, state.model_state, state.optimizer_state)
         )
         grads, self._grads = self._grads, None
-        self._state = state.replace(
+        self._state = state._replace(
             loss_sum=self._placement.replicate(np.zeros((), np.float32)),
         )
         n_finite = n_completed - int(n_nonfinite)
