@@ -289,11 +289,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat")
     parser.add_argument(
-        "--json", default=os.path.join("benchmarks", "results", "loop_overhead.json")
+        "--json", default=None, help="default: benchmarks/results/loop_overhead[.WORKLOAD].json"
     )
     parser.add_argument("--only", default=None, help="run one workload")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.json is None:
+        suffix = f".{args.only}" if args.only else ""
+        args.json = os.path.join("benchmarks", "results", f"loop_overhead{suffix}.json")
     if args.memory_child:
         memory_child(args.memory_child)
         return
