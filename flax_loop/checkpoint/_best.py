@@ -73,7 +73,9 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
                 stored.get("metrics") or {}, group, metric, str(stored.get("path"))
             )
         console.log(
-            f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}.",
+            f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}."
+            if isinstance(stored, dict)
+            else f"No checkpoint of the {self._kind} {group}/{metric} yet in {self.output_dir}.",
             stdout=stdout,
         )
 
