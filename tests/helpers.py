@@ -95,3 +95,38 @@ def leaves_close(a: Any, b: Any, rtol: float) -> float:
         b,
     )
     return max(jax.tree.leaves(diffs))
+
+
+def train(n_steps: int, every: int, model: Any = None, **options: Any) -> list:
+    """The checkpoints of a short, quiet run on digits (Adam 1e-2, key 0)."""
+    import jax
+
+    from flax_loop import TrainLoop, TrainTask
+
+    x, y, _, _ = digits_split()
+    model = model or MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(
+            model.apply,
+            options.pop("optimizer", optax.adam(1e-2)),
+            cross_entropy,
+            batches(x, y, 32),
+        ),
+        rnkey=jax.random.key(0),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=every,
+        stdout=False,
+        **options,
+    )
+    return list(loop)
+
+
+def directory_bytes(directory: Any) -> dict[str, bytes]:
+    """Every file of a directory by name, with its bytes."""
+    import os
+
+    return {
+        name: open(os.path.join(directory, name), "rb").read()
+        for name in sorted(os.listdir(directory))
+    }

@@ -7,35 +7,19 @@ import textwrap
 import threading
 import time
 
-import jax
-import optax
 import pytest
 
-from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.checkpoint import _file
 from flax_loop.errors import CheckpointError
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import directory_bytes, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def checkpoints():
-    x, y, _, _ = digits_split()
-    model = MLP()
-    loop = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(x, y, 32)),
-        rnkey=jax.random.key(0),
-        n_steps=20,
-        n_steps_per_checkpoint=5,
-        stdout=False,
-    )
-    return list(loop)
-
-
-def contents(directory):
-    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+    return train(20, 5)
 
 
 def test_background_files_equal_foreground_files(tmp_path, checkpoints):
@@ -45,8 +29,8 @@ def test_background_files_equal_foreground_files(tmp_path, checkpoints):
     foreground = CheckpointFileWriter(output_dir=str(tmp_path / "fg"), keep=2)
     for checkpoint in checkpoints:
         foreground(checkpoint)
-    assert contents(tmp_path / "bg") == contents(tmp_path / "fg")
-    assert sorted(contents(tmp_path / "bg")) == ["regular.15.ckpt", "regular.20.ckpt"]
+    assert directory_bytes(tmp_path / "bg") == directory_bytes(tmp_path / "fg")
+    assert sorted(directory_bytes(tmp_path / "bg")) == ["regular.15.ckpt", "regular.20.ckpt"]
 
 
 def test_the_next_write_waits_for_the_previous_one(tmp_path, checkpoints, monkeypatch):
@@ -79,7 +63,7 @@ def test_a_failed_background_write_raises_at_the_next_write_and_at_wait(
     writer = CheckpointFileWriter(output_dir=str(tmp_path), background=True)
     writer(checkpoints[0])
     writer.wait()
-    before = contents(tmp_path)
+    before = directory_bytes(tmp_path)
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -88,13 +72,13 @@ def test_a_failed_background_write_raises_at_the_next_write_and_at_wait(
     writer(checkpoints[1])  # accepted; fails on the worker thread
     with pytest.raises(CheckpointError, match="No space left on device"):
         writer(checkpoints[2])
-    assert contents(tmp_path) == before
+    assert directory_bytes(tmp_path) == before
     writer(checkpoints[3])
     with pytest.raises(CheckpointError, match="step 20 .* No space left"):
         writer.wait()
     monkeypatch.undo()
     writer.close()
-    assert contents(tmp_path) == before
+    assert directory_bytes(tmp_path) == before
     assert CheckpointFileReader(dir=str(tmp_path), target=None).read(None)["step"] == 5
 
 

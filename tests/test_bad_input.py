@@ -39,7 +39,7 @@ from flax_loop.errors import (
     MetricError,
     NonFiniteError,
 )
-from tests.helpers import MLP, accuracy, batches, cross_entropy, digits_split
+from tests.helpers import MLP, accuracy, batches, cross_entropy, digits_split, directory_bytes
 
 X, Y, X_TEST, Y_TEST = digits_split()
 MODEL = MLP()
@@ -242,11 +242,7 @@ def pristine(tmp_path_factory):
     return directory
 
 
-def snapshot(directory):
-    return {
-        name: open(os.path.join(directory, name), "rb").read()
-        for name in sorted(os.listdir(directory))
-    }
+snapshot = directory_bytes
 
 
 def test_at_least_twenty_cases():

@@ -18,6 +18,7 @@ import pytest
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import TEMPORARY_PREFIX
+from tests.helpers import directory_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 20
@@ -119,27 +120,9 @@ def test_sigkill_at_random_moments_then_exact_resume(tmp_path):
 
 @pytest.fixture
 def checkpoint():
-    import jax
-    import optax
+    from tests.helpers import train
 
-    from flax_loop import TrainLoop, TrainTask
-    from tests.helpers import MLP, batches, cross_entropy, digits_split
-
-    x, y, _, _ = digits_split()
-    model = MLP()
-    loop = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(x, y, 32)),
-        rnkey=jax.random.key(0),
-        n_steps=10,
-        n_steps_per_checkpoint=5,
-        stdout=False,
-    )
-    return list(loop)
-
-
-def snapshot(directory):
-    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+    return train(10, 5)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +143,7 @@ def test_writer_failure_keeps_the_previous_file_and_reaches_the_user(
     first, second = checkpoint
     writer = CheckpointFileWriter(output_dir=str(tmp_path))
     writer(first)
-    before = snapshot(tmp_path)
+    before = directory_bytes(tmp_path)
 
     def fail(*args, **kwargs):
         raise error
@@ -173,6 +156,6 @@ def test_writer_failure_keeps_the_previous_file_and_reaches_the_user(
         assert "No space left on device" in str(raised.value)
         assert "intact" in str(raised.value)
     monkeypatch.undo()
-    assert snapshot(tmp_path) == before  # no temporary file left either
+    assert directory_bytes(tmp_path) == before  # no temporary file left either
     restored = CheckpointFileReader(dir=str(tmp_path), target=None).read(None)
     assert restored["step"] == 5
