@@ -21,10 +21,12 @@ from flax_loop.checkpoint import (
     Metrics,
     Summary,
 )
+from flax_loop.console import SummaryLogger
 from flax_loop.errors import FlaxLoopError
 from flax_loop.evaluation import EvalLoop
 from flax_loop.loop import TrainLoop
 from flax_loop.task import EvalTask, TrainTask
+from flax_loop.tensorboard import SummaryWriter
 from flax_loop.version import __version__
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
     "LowestCheckpointFileWriter",
     "Metrics",
     "Summary",
+    "SummaryLogger",
+    "SummaryWriter",
     "TrainLoop",
     "TrainTask",
     "__version__",
