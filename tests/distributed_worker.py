@@ -26,10 +26,13 @@ def main() -> None:
     parser.add_argument("--bad-batch-at", type=int, default=0)
     parser.add_argument("--eval", action="store_true")
     parser.add_argument("--tensorboard", default=None)
+    parser.add_argument("--batch-delay", type=float, default=0.0)
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    import time
 
     import jax
 
@@ -69,6 +72,8 @@ def main() -> None:
             return self
 
         def __next__(self):
+            if args.batch_delay:
+                time.sleep(args.batch_delay)
             self.step += 1
             index = np.random.default_rng([7, self.step]).choice(len(x), 32, replace=False)
             mine = index[low:high]
@@ -99,7 +104,8 @@ def main() -> None:
     for checkpoint in loop:
         if writer:
             writer(checkpoint)
-        print(f"STEP {checkpoint.step} loss {checkpoint.loss:.6f}", flush=True)
+        preempted = " preempted" if checkpoint.preempted else ""
+        print(f"STEP {checkpoint.step} loss {checkpoint.loss:.6f}{preempted}", flush=True)
     result = {}
     if checkpoint is not None:
         result.update(

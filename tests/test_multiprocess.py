@@ -146,3 +146,61 @@ def test_a_bad_batch_on_one_process_stops_every_process(tmp_path):
     assert code_0 != 0
     assert "process 1 failed" in output_0 and "BatchError" in output_0
     assert elapsed < 120
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(tmp_path):
+    import signal
+
+    port = free_port()
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed_worker",
+                "--process-id",
+                str(index),
+                "--num-processes",
+                "2",
+                "--port",
+                str(port),
+                "--devices",
+                "2",
+                "--n-steps",
+                "200",
+                "--every",
+                "10",
+                "--batch-delay",
+                "0.02",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for index in range(2)
+    ]
+    try:
+        seen = ""
+        for line in processes[0].stdout:
+            seen += line
+            if line.startswith("STEP 10 "):
+                processes[1].send_signal(signal.SIGTERM)  # one process only
+                break
+        outputs = [seen + processes[0].communicate(timeout=TIMEOUT)[0]]
+        outputs.append(processes[1].communicate(timeout=TIMEOUT)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    stops = [
+        [line for line in output.splitlines() if line.endswith("preempted")] for output in outputs
+    ]
+    assert len(stops[0]) == len(stops[1]) == 1, outputs
+    assert stops[0][0].split()[1] == stops[1][0].split()[1]  # the same step
+    step = int(stops[0][0].split()[1])
+    assert 10 < step < 200 and step % 10 == 0
+    assert all(f"DONE {step}" in output for output in outputs)
