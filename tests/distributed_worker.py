@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--tensorboard", default=None)
     parser.add_argument("--batch-delay", type=float, default=0.0)
     args = parser.parse_args()
+    if args.dir:
+        args.dir = args.dir.replace("{process}", str(args.process_id))
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -204,3 +204,20 @@ def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(tmp_path):
     step = int(stops[0][0].split()[1])
     assert 10 < step < 200 and step % 10 == 0
     assert all(f"DONE {step}" in output for output in outputs)
+
+
+def test_a_damaged_file_seen_by_one_process_stops_every_process(tmp_path):
+    import shutil
+
+    succeed(1, "--n-steps", 10, "--dir", tmp_path / "run0")
+    shutil.copytree(tmp_path / "run0", tmp_path / "run1")
+    damaged = tmp_path / "run1" / "regular.10.ckpt"
+    damaged.write_bytes(damaged.read_bytes()[:-100])  # truncated, in process 1's copy only
+    started = time.monotonic()
+    (code_0, output_0), (code_1, output_1) = launch(
+        2, "--n-steps", 20, "--dir", str(tmp_path / "run{process}"), timeout=120
+    )
+    assert time.monotonic() - started < 120
+    assert code_1 != 0 and "CheckpointCorruptError" in output_1
+    assert code_0 != 0 and "process 1 failed" in output_0
+    assert "CheckpointCorruptError" in output_0
