@@ -35,7 +35,7 @@ class Checkpoint:
     r"""gradients of the last step, averaged over the devices."""
 
     loss: Any
-    r"""the loss of the last step (a scalar array; `float()` reads it)."""
+    r"""the loss of the last step, averaged over the devices (a float)."""
 
     n_completed_steps: int
     r"""a number of steps completed between the previous checkpoint and this one."""
@@ -47,7 +47,8 @@ class Checkpoint:
     r"""the step number at which this checkpoint occurred."""
 
     mean_loss: Any = field(default=None, kw_only=True)
-    r"""the mean loss over the interval's steps (non-finite losses left out)."""
+    r"""the mean loss over the interval's steps, non-finite losses left out (a
+    float; NaN if every step's loss was non-finite)."""
 
     n_nonfinite_steps: int = field(default=0, kw_only=True)
     r"""steps of the interval whose loss or gradient was not finite."""
