@@ -350,3 +350,20 @@ def test_several_steps_per_dispatch_match_single_steps(n_devices):
         assert leaves_close(b.model_state, a.model_state, 0) < 1e-6
         assert b.loss == pytest.approx(a.loss, rel=1e-6)
         assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_checkpoint_grads_are_the_last_steps_averaged_gradients(n_devices):
+    # With plain SGD, params(k) = params(k-1) - lr * grads(k).
+    loop = make_loop(n_devices, optax.sgd(0.3), n_steps=5, n_steps_per_checkpoint=2)
+    first = loop.next_checkpoint()
+    second = loop.next_checkpoint()
+    assert (first.step, second.step) == (2, 4)
+    # The same run (same data, same key) stopped at step 3:
+    step_3 = make_loop(n_devices, optax.sgd(0.3), n_steps=3, n_steps_per_checkpoint=3)
+    (at_3,) = list(step_3)
+    expected = jax.tree.map(
+        lambda p, g: np.asarray(p) - 0.3 * np.asarray(g), at_3.model_params, second.grads
+    )
+    assert leaves_close(second.model_params, expected, 0) < 1e-5
+    assert leaves_close(second.grads, first.grads, 0) > 1e-3  # a different step's
