@@ -77,6 +77,9 @@ class SummaryLogger:
 
     def __call__(self, summary: "Summary") -> "Summary":
         r"""Prints the summary and returns it unchanged."""
+        from flax_loop.checkpoint._checkpoint import Summary, expect
+
+        expect(summary, Summary, "SummaryLogger")
         if self._stdout and is_main_process():
             console().print(render_summary(summary))
         return summary

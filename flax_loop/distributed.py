@@ -45,14 +45,10 @@ def agree(name: str, value: int) -> int:
     Raises:
         FlaxLoopError: naming each process's value, on every process.
     """
-    if not is_multiprocess():
-        return value
-    from jax.experimental import multihost_utils
-
-    values = np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int64)))
-    if len(set(values.tolist())) != 1:
+    values = gather(value)
+    if len(set(values)) != 1:
         raise FlaxLoopError(
-            f"The processes disagree on {name}: {dict(enumerate(values.tolist()))} "
+            f"The processes disagree on {name}: {dict(enumerate(values))} "
             "(by process index). Give every process the same arguments and the same "
             "shared checkpoint directory."
         )

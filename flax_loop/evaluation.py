@@ -24,7 +24,7 @@ import optax
 
 from flax_loop import distributed
 from flax_loop.batch import Batch, normalize_batch
-from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
 from flax_loop.parallel import Placement, to_host
 from flax_loop.random import as_typed_key, into_collection, labels_of
@@ -138,10 +138,7 @@ class EvalLoop:
 
     def __call__(self, checkpoint: Checkpoint) -> Summary:
         r"""Evaluates the checkpoint's model and returns its summary."""
-        if not isinstance(checkpoint, Checkpoint):
-            raise ConfigError(
-                f"EvalLoop takes a Checkpoint (or Summary); got {type(checkpoint).__name__}."
-            )
+        expect(checkpoint, Checkpoint, "EvalLoop")
         with distributed.failing_together():
             return summarize(checkpoint, self._group, self.evaluate(checkpoint))
 

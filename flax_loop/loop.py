@@ -15,6 +15,7 @@ In a notebook, `loop.next_checkpoint()` runs to the next multiple (or to
 `loop.n_steps`.
 """
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -296,7 +297,12 @@ class TrainLoop:
             axis_name,
             skip_nonfinite=nonfinite == "skip",
         )
-        sample = self._pending if self._pending is not None else self._peek_for_compile()
+        if not self._peek(self._step + 1):  # set_state dropped the batch read first
+            raise DataExhaustedError(
+                f"The data stream has no batch for step {self._step + 1}, where the "
+                "checkpoint resumes; give the task a longer or repeating stream."
+            )
+        sample = self._pending
         placed = self._place_batch(sample)
         compile_args = (update, self._placement, self._state, placed, self._replicated_key)
         # Three variants, all compiled here and none later: a step, the last
@@ -322,7 +328,6 @@ class TrainLoop:
             .lower((self._state.model_params, self._state.model_params))
             .compile()
         )
-        self._interval_start = self._step
         self._n_nonfinite_before = 0
         console.log(
             console.describe_model(
@@ -404,35 +409,35 @@ class TrainLoop:
 
     # Internals.
 
-    def _run(self, target: int | None) -> Iterator[Checkpoint]:
+    @contextlib.contextmanager
+    def _training(self) -> Iterator[None]:
+        r"""While training: signals become stop requests, failures reach the
+        other processes, and the progress report shows."""
         self._guard.install()
         try:
             with distributed.failing_together():
-                while True:
-                    stop = self._n_steps if target is None else target
-                    if self._step >= stop or self._exhausted:
-                        return
-                    checkpoint = self._run_interval(self._boundary(stop), total=stop)
-                    if checkpoint is None:
-                        return
-                    yield checkpoint
-                    if checkpoint.preempted:
-                        return
+                yield
         finally:
-            self._stop_iterating()
+            self._guard.uninstall()
+            if self._report is not None:
+                self._report.stop()
+
+    def _run(self, target: int | None) -> Iterator[Checkpoint]:
+        with self._training():
+            while True:
+                stop = self._n_steps if target is None else target
+                if self._step >= stop or self._exhausted:
+                    return
+                checkpoint = self._run_interval(self._boundary(stop), total=stop)
+                if checkpoint is None:
+                    return
+                yield checkpoint
+                if checkpoint.preempted:
+                    return
 
     def _run_alone(self, boundary: int) -> Checkpoint | None:
-        self._guard.install()
-        try:
-            with distributed.failing_together():
-                return self._run_interval(boundary, total=boundary)
-        finally:
-            self._stop_iterating()
-
-    def _stop_iterating(self) -> None:
-        self._guard.uninstall()
-        if self._report is not None:
-            self._report.stop()
+        with self._training():
+            return self._run_interval(boundary, total=boundary)
 
     def _boundary(self, target: int | None) -> int:
         every = self._n_steps_per_checkpoint
@@ -456,12 +461,6 @@ class TrainLoop:
                 "at least one batch (check the data set's size and batch size)."
             ) from None
         return normalize_batch(raw)
-
-    def _peek_for_compile(self) -> Batch:
-        batch = self._first_batch()
-        self._spec.validate(batch, step=self._step + 1)
-        self._pending = batch
-        return batch
 
     def _restore_data_state(self, data_state: Any) -> None:
         can_restore = callable(getattr(self._data, "set_state", None))
@@ -628,18 +627,17 @@ class TrainLoop:
         self, loss: jax.Array, n_completed: int, elapsed: float, preempted: bool
     ) -> Checkpoint:
         state = self._state
-        first_step, self._interval_start = self._interval_start + 1, self._step
         finite = self._all_finite((state.model_params, self._grads))
         last_loss, loss_sum, counters, finite = to_host(
             (loss, state.loss_sum, state.counters, finite)
         )
         _, n_bad, first_bad = (int(count) for count in counters)
         n_nonfinite, self._n_nonfinite_before = n_bad - self._n_nonfinite_before, n_bad
-        if self._nonfinite == "raise" and (int(first_bad) or not bool(finite)):
+        if self._nonfinite == "raise" and (first_bad or not bool(finite)):
             where = (
-                f"at step {int(first_bad)}"
-                if int(first_bad)
-                else f"between steps {first_step} and {self._step}"
+                f"at step {first_bad}"
+                if first_bad
+                else f"between steps {self._step - n_completed + 1} and {self._step}"
             )
             raise NonFiniteError(
                 f"The loss or a gradient was NaN or infinite {where} (detected at "
@@ -654,7 +652,7 @@ class TrainLoop:
         self._state = state._replace(
             loss_sum=self._placement.replicate(np.zeros((), np.float32)),
         )
-        n_finite = n_completed - int(n_nonfinite)
+        n_finite = n_completed - n_nonfinite
         data_state = None
         get_state = getattr(self._data, "get_state", None)
         if callable(get_state):
@@ -672,7 +670,7 @@ class TrainLoop:
             elapsed_time=elapsed,
             step=self._step,
             mean_loss=float(loss_sum) / n_finite if n_finite else float("nan"),
-            n_nonfinite_steps=int(n_nonfinite),
+            n_nonfinite_steps=n_nonfinite,
             preempted=preempted,
             rnkey=self._key,
             data_state=data_state,

@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from flax_loop.checkpoint._checkpoint import Summary
+from flax_loop.checkpoint._checkpoint import Summary, expect
 from flax_loop.console import is_main_process
 from flax_loop.errors import ConfigError
 
@@ -47,11 +47,7 @@ class SummaryWriter:
 
     def __call__(self, summary: Summary) -> Summary:
         r"""Writes the summary's scalars and returns the summary unchanged."""
-        if not isinstance(summary, Summary):
-            raise ConfigError(
-                f"SummaryWriter needs a Summary (with metrics), such as EvalLoop "
-                f"returns; got {type(summary).__name__}."
-            )
+        expect(summary, Summary, "SummaryWriter")
         if not is_main_process():
             return summary
         writer = self._open()

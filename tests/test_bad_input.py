@@ -21,6 +21,7 @@ from flax_loop import (
     EvalTask,
     HighestCheckpointFileWriter,
     Summary,
+    SummaryLogger,
     TrainLoop,
     TrainTask,
 )
@@ -104,12 +105,15 @@ def into_file(directory):
     CheckpointFileWriter(output_dir=path)(summary_of(directory))
 
 
-def summary_of(directory):
-    raw = CheckpointFileReader(dir=str(directory), target=None).read(None)
+def checkpoint_of(directory):
     from flax_loop import Checkpoint
 
-    checkpoint = Checkpoint(raw["model_params"], {}, {}, {}, 0.0, 1, 0.0, 6)
-    return Summary(metrics={"eval": {"loss": 0.1}}, **vars(checkpoint))
+    raw = CheckpointFileReader(dir=str(directory), target=None).read(None)
+    return Checkpoint(raw["model_params"], {}, {}, {}, 0.0, 1, 0.0, 6)
+
+
+def summary_of(directory):
+    return Summary(metrics={"eval": {"loss": 0.1}}, **vars(checkpoint_of(directory)))
 
 
 def raising_init(*args, **kwargs):
@@ -213,6 +217,16 @@ CASES = {
         ),
         MetricError,
         r"eval/accuracy .*\['loss'\]",
+    ),
+    "logger-given-a-checkpoint": (
+        lambda d: SummaryLogger()(checkpoint_of(d)),
+        ConfigError,
+        "SummaryLogger needs a Summary .*got Checkpoint",
+    ),
+    "writer-given-a-dict": (
+        lambda d: CheckpointFileWriter(output_dir=str(d))({"step": 6}),
+        ConfigError,
+        "CheckpointFileWriter needs a Checkpoint .*got dict",
     ),
     "eval-n-steps-zero": (
         lambda d: EvalLoop(

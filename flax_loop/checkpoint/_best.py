@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flax_loop import console
-from flax_loop.checkpoint._checkpoint import Summary
+from flax_loop.checkpoint._checkpoint import Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile, quote
 from flax_loop.checkpoint._reader import CheckpointFileReader
 from flax_loop.checkpoint._writer import CheckpointFileWriter
@@ -89,11 +89,7 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
 
     def __call__(self, summary: Summary) -> Summary:  # type: ignore[override]
         r"""Writes the summary if its metric is the best so far; returns it."""
-        if not isinstance(summary, Summary):
-            raise ConfigError(
-                f"{type(self).__name__} needs a Summary (with metrics), such as "
-                f"EvalLoop returns; got {type(summary).__name__}."
-            )
+        expect(summary, Summary, type(self).__name__)
         value = read_metric(summary.metrics, self.group, self.metric, "The summary")
         if self.is_best(value):
             self.write(summary, self._prefix())

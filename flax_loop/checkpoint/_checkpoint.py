@@ -6,6 +6,8 @@ from typing import Any
 
 import jax
 
+from flax_loop.errors import ConfigError
+
 Metrics = Mapping[str, Any]
 r"""Metric values by name, e.g. `{"accuracy": 0.97}`."""
 
@@ -73,3 +75,17 @@ class Summary(Checkpoint):
 
     metrics: Mapping[str, Metrics]
     r"""metric groups (such as "train" and "eval") mapping names to values."""
+
+
+def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
+    r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed it.
+
+    >>> expect(summary, Summary, "SummaryWriter")
+    """
+    if not isinstance(value, kind):
+        wanted = (
+            "a Summary (with metrics), such as EvalLoop returns"
+            if kind is Summary
+            else "a Checkpoint or a Summary"
+        )
+        raise ConfigError(f"{who} needs {wanted}; got {type(value).__name__}.")

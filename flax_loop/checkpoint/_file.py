@@ -139,7 +139,7 @@ def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) 
                 os.fsync(stream.fileno())
         os.replace(temporary, final)
     except BaseException:
-        _remove_quietly(temporary)
+        remove_quietly(temporary)
         raise
     if fsync:
         _fsync_directory(directory)
@@ -175,7 +175,7 @@ def clean_temporary(directory: str, prefix: str) -> None:
         if name.startswith(start) and re.fullmatch(
             rf"{re.escape(start)}\d+{re.escape(SUFFIX)}\.[0-9a-f]+", name
         ):
-            _remove_quietly(os.path.join(directory, name))
+            remove_quietly(os.path.join(directory, name))
 
 
 def _ensure_directory(directory: str) -> None:
@@ -204,7 +204,7 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
     try:
         os.remove(path)
     except OSError:

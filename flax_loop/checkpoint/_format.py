@@ -21,12 +21,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-import jax
 import ml_dtypes
 import msgpack
 import numpy as np
 
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
+from flax_loop.parallel import to_host
 
 FORMAT_NAME = "flax_loop.checkpoint"
 FORMAT_VERSION = 1
@@ -118,9 +118,7 @@ _DTYPES.update(
 
 
 def _host_leaf(leaf: Any) -> np.ndarray:
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        leaf = leaf.addressable_data(0)
-    array = np.asarray(leaf)
+    array = to_host(leaf)
     if array.dtype.name not in _DTYPES:
         raise CheckpointError(
             f"Cannot write an array of dtype {array.dtype} to a checkpoint file; "

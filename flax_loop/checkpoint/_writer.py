@@ -8,13 +8,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-
 from flax_loop import console
 from flax_loop.checkpoint import _file
-from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._file import REGULAR_PREFIX, CheckpointFile
 from flax_loop.errors import CheckpointError, ConfigError
+from flax_loop.parallel import to_host
 
 
 @dataclass
@@ -77,11 +76,7 @@ class CheckpointFileWriter:
                 if the previous write failed); the files already in the
                 directory are left intact.
         """
-        if not isinstance(checkpoint, Checkpoint):
-            raise ConfigError(
-                f"Cannot write to {self.output_dir!r}: expected a Checkpoint or "
-                f"Summary; got {type(checkpoint).__name__}."
-            )
+        expect(checkpoint, Checkpoint, type(self).__name__)
         if not console.is_main_process():
             return checkpoint
         self.wait()  # one write at a time: never race the previous one
@@ -153,7 +148,7 @@ class CheckpointFileWriter:
         kept = [path for s, path in newest_first if s <= step]
         for path in stale + kept[self.keep :]:
             if path != written:
-                _file._remove_quietly(path)
+                _file.remove_quietly(path)
 
 
 def to_file(checkpoint: Checkpoint) -> CheckpointFile:
@@ -173,13 +168,9 @@ def to_file(checkpoint: Checkpoint) -> CheckpointFile:
 def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
     r"""The file's arrays copied to host memory (numpy), ready for a thread."""
 
-    def fetch(leaf: Any) -> Any:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            leaf = leaf.addressable_data(0)
-        return jax.device_get(leaf)
-
-    parts = (file.model_params, file.model_state, file.optimizer_state)
-    params, model_state, optimizer_state = jax.tree.map(fetch, parts)
+    params, model_state, optimizer_state = to_host(
+        (file.model_params, file.model_state, file.optimizer_state)
+    )
     return CheckpointFile(
         model_params=params,
         model_state=model_state,
