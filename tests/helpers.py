@@ -97,29 +97,39 @@ def leaves_close(a: Any, b: Any, rtol: float) -> float:
     return max(jax.tree.leaves(diffs))
 
 
-def train(n_steps: int, every: int, model: Any = None, **options: Any) -> list:
-    """The checkpoints of a short, quiet run on digits (Adam 1e-2, key 0)."""
+def digits_loop(
+    model: Any = None,
+    optimizer: Any = None,
+    data: Any = None,
+    n_devices: int | None = None,
+    **options: Any,
+) -> Any:
+    """A quiet TrainLoop on digits: an MLP, Adam 1e-2, batches of 32, key 0."""
     import jax
 
     from flax_loop import TrainLoop, TrainTask
 
     x, y, _, _ = digits_split()
     model = model or MLP()
-    loop = TrainLoop(
-        init=model.init,
+    options.setdefault("rnkey", jax.random.key(0))
+    options.setdefault("stdout", False)
+    if n_devices is not None:
+        options["devices"] = jax.devices()[:n_devices]
+    return TrainLoop(
+        init=options.pop("init", model.init),
         task=TrainTask(
             model.apply,
-            options.pop("optimizer", optax.adam(1e-2)),
+            optimizer or optax.adam(1e-2),
             cross_entropy,
-            batches(x, y, 32),
+            batches(x, y, 32) if data is None else data,
         ),
-        rnkey=jax.random.key(0),
-        n_steps=n_steps,
-        n_steps_per_checkpoint=every,
-        stdout=False,
         **options,
     )
-    return list(loop)
+
+
+def train(n_steps: int, every: int, model: Any = None, **options: Any) -> list:
+    """The checkpoints of a short digits run (see `digits_loop`)."""
+    return list(digits_loop(model, n_steps=n_steps, n_steps_per_checkpoint=every, **options))
 
 
 def directory_bytes(directory: Any) -> dict[str, bytes]:
@@ -130,3 +140,45 @@ def directory_bytes(directory: Any) -> dict[str, bytes]:
         name: open(os.path.join(directory, name), "rb").read()
         for name in sorted(os.listdir(directory))
     }
+
+
+ROOT = __import__("os").path.dirname(
+    __import__("os").path.dirname(__import__("os").path.abspath(__file__))
+)
+r"""The repository's root, the working directory of worker processes."""
+
+
+def resume_worker(directory: Any, n_steps: int, *args: Any) -> list[str]:
+    """The command of a `tests.resume_worker` process training to `n_steps`."""
+    import sys
+
+    return [
+        sys.executable, "-m", "tests.resume_worker", str(directory),
+        "--n-steps", str(n_steps), *map(str, args),
+    ]  # fmt: skip
+
+
+def run(command: list[str], timeout: float = 300) -> str:
+    """Runs a worker process to its end; its output (it must succeed)."""
+    import subprocess
+
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def start(command: list[str]) -> Any:
+    """Starts a worker process, its output (stdout and stderr) in a pipe."""
+    import subprocess
+
+    return subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def assert_same_arrays(path: Any, other: Any) -> None:
+    """Two `.npz` files hold the same arrays, bit for bit."""
+    a, b = np.load(path), np.load(other)
+    assert sorted(a.files) == sorted(b.files)
+    for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

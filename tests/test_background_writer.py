@@ -12,9 +12,7 @@ import pytest
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.checkpoint import _file
 from flax_loop.errors import CheckpointError
-from tests.helpers import directory_bytes, train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, directory_bytes, train
 
 
 @pytest.fixture(scope="module")

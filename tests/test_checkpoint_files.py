@@ -1,12 +1,9 @@
 """Checkpoint files: format, atomicity, damage, keep-N, best metrics, resume."""
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from flax_loop import (
@@ -18,8 +15,6 @@ from flax_loop import (
     LowestCheckpointFileReader,
     LowestCheckpointFileWriter,
     Summary,
-    TrainLoop,
-    TrainTask,
 )
 from flax_loop.checkpoint import _format
 from flax_loop.errors import (
@@ -29,23 +24,22 @@ from flax_loop.errors import (
     CheckpointVersionError,
     MetricError,
 )
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import (
+    MLP,
+    assert_same_arrays,
+    digits_loop,
+    digits_split,
+    resume_worker,
+    run,
+)
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_loop(init=None, n_devices=1, features=(64,), **options):
     model = MLP(features=features)
-    options.setdefault("stdout", False)
     options.setdefault("n_steps_per_checkpoint", 5)
-    return TrainLoop(
-        init=init or model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
-        rnkey=jax.random.key(0),
-        devices=jax.devices()[:n_devices],
-        **options,
-    )
+    return digits_loop(model, n_devices=n_devices, init=init or model.init, **options)
 
 
 def files(directory):
@@ -267,42 +261,24 @@ def test_best_writer_names_a_missing_metric(tmp_path):
     assert files(tmp_path) == []
 
 
-def run_worker(directory, n_steps, out=None, devices=4, extra=()):
-    command = [
-        sys.executable,
-        "-m",
-        "tests.resume_worker",
-        str(directory),
-        "--n-steps",
-        str(n_steps),
-        "--devices",
-        str(devices),
-        *extra,
-    ]
-    if out:
-        command += ["--out", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+def run_worker(directory, n_steps, *args, devices=4):
+    return run(resume_worker(directory, n_steps, "--devices", devices, *args))
 
 
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
-    run_worker(tmp_path / "straight", 30, out=tmp_path / "straight.npz")
+    run_worker(tmp_path / "straight", 30, "--out", tmp_path / "straight.npz")
     first = run_worker(tmp_path / "resumed", 10)
     assert "WROTE 10" in first and "DONE 10" in first
-    second = run_worker(tmp_path / "resumed", 30, out=tmp_path / "resumed.npz")
+    second = run_worker(tmp_path / "resumed", 30, "--out", tmp_path / "resumed.npz")
     assert "Resumed from step 10" in " ".join(second.split())
     assert "START 10" in second and "WROTE 30" in second
-    straight, resumed = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
-    assert sorted(straight.files) == sorted(resumed.files)
-    assert "batch_stats/BatchNorm_0/mean" in straight.files
-    for name in straight.files:
-        np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
+    assert "batch_stats/BatchNorm_0/mean" in np.load(tmp_path / "straight.npz").files
+    assert_same_arrays(tmp_path / "straight.npz", tmp_path / "resumed.npz")
 
 
 def test_plain_stream_resume_says_it_continues_from_its_position(tmp_path):
-    run_worker(tmp_path, 10, devices=1, extra=["--plain-stream"])
-    out = " ".join(run_worker(tmp_path, 20, devices=1, extra=["--plain-stream"]).split())
+    run_worker(tmp_path, 10, "--plain-stream", devices=1)
+    out = " ".join(run_worker(tmp_path, 20, "--plain-stream", devices=1).split())
     assert out.count("continues from its current position") == 1
     assert "DONE 20" in out
 

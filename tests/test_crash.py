@@ -9,8 +9,6 @@ interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 20 to 100.
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,9 +16,8 @@ import pytest
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import TEMPORARY_PREFIX
-from tests.helpers import directory_bytes
+from tests.helpers import assert_same_arrays, directory_bytes, resume_worker, run, start
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 20
 # A kill lands on average 0.3 s (15 steps) after start-up: enough steps that
 # the run is still going after every kill.
@@ -28,23 +25,8 @@ N_STEPS, EVERY, KEEP, STEP_SECONDS = 30 * N_KILLS, 5, 2, 0.02
 
 
 def command(directory, out=None, delay=STEP_SECONDS):
-    command = [
-        sys.executable,
-        "-m",
-        "tests.resume_worker",
-        str(directory),
-        "--n-steps",
-        str(N_STEPS),
-        "--every",
-        str(EVERY),
-        "--keep",
-        str(KEEP),
-        "--devices",
-        "1",
-        "--batch-delay",
-        str(delay),
-    ]
-    return command + (["--out", str(out)] if out else [])
+    options = ["--every", EVERY, "--keep", KEEP, "--devices", 1, "--batch-delay", delay]
+    return resume_worker(directory, N_STEPS, *options, *(["--out", out] if out else []))
 
 
 def check_directory(directory):
@@ -63,13 +45,7 @@ def test_sigkill_at_random_moments_then_exact_resume(tmp_path):
     deadline = time.monotonic() + 30 * N_KILLS
     while kills < N_KILLS:
         assert time.monotonic() < deadline, f"only {kills} kills in time"
-        process = subprocess.Popen(
-            command(directory),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        process = start(command(directory))
         try:
             lines = []
             for line in process.stdout:
@@ -90,28 +66,11 @@ def test_sigkill_at_random_moments_then_exact_resume(tmp_path):
         assert process.returncode == -signal.SIGKILL
         kills += 1
         torn_writes += check_directory(directory)
-    final = subprocess.run(
-        command(directory, tmp_path / "resumed.npz", delay=0),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert final.returncode == 0, final.stdout + final.stderr
-    outputs.append(final.stdout)
+    outputs.append(run(command(directory, tmp_path / "resumed.npz", delay=0)))
     assert not any("damaged" in output for output in outputs)
-    straight = subprocess.run(
-        command(tmp_path / "straight", tmp_path / "straight.npz", delay=0),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    a, b = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "straight.npz")
-    assert int(a["step"]) == int(b["step"]) == N_STEPS
-    for name in b.files:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    run(command(tmp_path / "straight", tmp_path / "straight.npz", delay=0))
+    assert int(np.load(tmp_path / "resumed.npz")["step"]) == N_STEPS
+    assert_same_arrays(tmp_path / "resumed.npz", tmp_path / "straight.npz")
     assert kills == N_KILLS
     # The kills landed in the middle of training, not only at start-up.
     assert len(set(resumed_from)) >= 5, resumed_from

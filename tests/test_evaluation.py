@@ -33,6 +33,7 @@ from tests.helpers import (
     batches,
     cross_entropy,
     digits_split,
+    train,
 )
 
 X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
@@ -41,15 +42,7 @@ MODEL = MLP()
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    loop = TrainLoop(
-        init=MODEL.init,
-        task=TrainTask(MODEL.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
-        rnkey=jax.random.key(0),
-        n_steps=40,
-        n_steps_per_checkpoint=40,
-        stdout=False,
-    )
-    (checkpoint,) = list(loop)
+    (checkpoint,) = train(40, 40, model=MODEL)
     return checkpoint
 
 
@@ -185,16 +178,7 @@ def test_chained_eval_loops_merge_their_groups(checkpoint):
 
 def test_eval_with_dropout_rng_and_batchnorm_state():
     model = BatchNormDropoutNet()
-    loop = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
-        rnkey=jax.random.key(0),
-        n_steps=30,
-        n_steps_per_checkpoint=30,
-        collections={"apply": ["dropout"]},
-        stdout=False,
-    )
-    (checkpoint,) = list(loop)
+    (checkpoint,) = train(30, 30, model=model, collections={"apply": ["dropout"]})
     data = ragged_batches(X_TEST, Y_TEST, 64)
     deterministic = EvalLoop(
         EvalTask(partial(model.apply, train=False), {"accuracy": accuracy}, data),
@@ -204,18 +188,21 @@ def test_eval_with_dropout_rng_and_batchnorm_state():
     variables = {"params": checkpoint.model_params, **checkpoint.model_state}
     expected = float(np.mean(np.argmax(model.apply(variables, X_TEST, train=False), -1) == Y_TEST))
     assert deterministic.metrics["eval"]["accuracy"] == pytest.approx(expected, abs=1e-6)
-    # Stochastic evaluation (dropout on) draws keys from the eval rnkey.
+    # Stochastic evaluation (dropout on) draws its keys from the eval rnkey:
+    # the same key gives the same mean loss, another key another one.
+    per_example_loss = optax.softmax_cross_entropy_with_integer_labels
     stochastic = lambda key: EvalLoop(
         EvalTask(
             lambda v, x, **kw: model.apply(v, x, train=True, mutable=["batch_stats"], **kw)[0],
-            {"accuracy": accuracy},
+            {"loss": per_example_loss},
             data,
         ),
         key,
         n_steps=None,
         collections={"apply": ["dropout"]},
-    )(checkpoint).metrics["eval"]["accuracy"]
+    )(checkpoint).metrics["eval"]["loss"]
     assert stochastic(jax.random.key(1)) == stochastic(jax.random.key(1))
+    assert stochastic(jax.random.key(1)) != pytest.approx(stochastic(jax.random.key(2)), rel=1e-4)
 
 
 def render(processor_output_fn):

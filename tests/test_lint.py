@@ -1,12 +1,11 @@
 """The code style gates run with the suite: ruff (lint, format) and mypy."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize(

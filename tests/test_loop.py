@@ -16,6 +16,7 @@ from tests.helpers import (
     accuracy,
     batches,
     cross_entropy,
+    digits_loop,
     digits_split,
     leaves_close,
 )
@@ -24,21 +25,7 @@ X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
 
 
 def make_loop(n_devices=1, optimizer=None, data=None, model=None, **options):
-    model = model or MLP()
-    task = TrainTask(
-        apply=model.apply,
-        optimizer=optimizer or optax.adam(1e-2),
-        loss=cross_entropy,
-        data=data if data is not None else batches(X_TRAIN, Y_TRAIN, 32),
-    )
-    options.setdefault("stdout", False)
-    return TrainLoop(
-        init=model.init,
-        task=task,
-        rnkey=options.pop("rnkey", jax.random.key(0)),
-        devices=jax.devices()[:n_devices],
-        **options,
-    )
+    return digits_loop(model, optimizer, data, n_devices, **options)
 
 
 @pytest.mark.parametrize(

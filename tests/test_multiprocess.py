@@ -6,14 +6,14 @@ ones picked by the OS.
 
 import os
 import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import start
+
 TIMEOUT = 240
 
 
@@ -23,12 +23,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(n_processes, *args, timeout=TIMEOUT):
-    """Runs `n_processes` workers (4 devices in all); returns their (code, output)."""
+def start_all(n_processes, *args):
+    """Starts `n_processes` workers, 4 devices in all, joined on a free port."""
     port = free_port()
-    devices = 4 // n_processes
-    processes = [
-        subprocess.Popen(
+    return [
+        start(
             [
                 sys.executable,
                 "-m",
@@ -40,16 +39,24 @@ def launch(n_processes, *args, timeout=TIMEOUT):
                 "--port",
                 str(port),
                 "--devices",
-                str(devices),
+                str(4 // n_processes),
                 *map(str, args),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+            ]
+        )  # fmt: skip
         for index in range(n_processes)
     ]
+
+
+def stop_all(processes):
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def launch(n_processes, *args, timeout=TIMEOUT):
+    """Runs `n_processes` workers to their end; returns their (code, output)."""
+    processes = start_all(n_processes, *args)
     deadline = time.monotonic() + timeout
     results = []
     try:
@@ -57,10 +64,7 @@ def launch(n_processes, *args, timeout=TIMEOUT):
             output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
             results.append((process.returncode, output))
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        stop_all(processes)
     return results
 
 
@@ -151,35 +155,7 @@ def test_a_bad_batch_on_one_process_stops_every_process(tmp_path):
 def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(tmp_path):
     import signal
 
-    port = free_port()
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.distributed_worker",
-                "--process-id",
-                str(index),
-                "--num-processes",
-                "2",
-                "--port",
-                str(port),
-                "--devices",
-                "2",
-                "--n-steps",
-                "200",
-                "--every",
-                "10",
-                "--batch-delay",
-                "0.02",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for index in range(2)
-    ]
+    processes = start_all(2, "--n-steps", 200, "--every", 10, "--batch-delay", 0.02)
     try:
         seen = ""
         for line in processes[0].stdout:
@@ -190,10 +166,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(tmp_path):
         outputs = [seen + processes[0].communicate(timeout=TIMEOUT)[0]]
         outputs.append(processes[1].communicate(timeout=TIMEOUT)[0])
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        stop_all(processes)
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-3000:]
     stops = [

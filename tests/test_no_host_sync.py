@@ -9,14 +9,10 @@ passes device arrays to numpy inside an interval).
 """
 
 import jax
-import optax
 import pytest
 from jax._src import array as array_module
 
-from flax_loop import TrainLoop, TrainTask
-from tests.helpers import BatchNormDropoutNet, batches, cross_entropy, digits_split
-
-X_TRAIN, Y_TRAIN, _, _ = digits_split()
+from tests.helpers import BatchNormDropoutNet, digits_loop
 
 
 @pytest.fixture
@@ -35,16 +31,12 @@ def spy(monkeypatch):
 
 @pytest.mark.parametrize("n_devices, steps_per_dispatch", [(1, 1), (4, 1), (4, 3)])
 def test_no_device_to_host_read_between_checkpoints(spy, n_devices, steps_per_dispatch):
-    model = BatchNormDropoutNet()
-    loop = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)),
-        rnkey=jax.random.key(0),
+    loop = digits_loop(
+        BatchNormDropoutNet(),
+        n_devices=n_devices,
         n_steps=40,
         n_steps_per_checkpoint=20,
         collections={"apply": ["dropout"]},
-        devices=jax.devices()[:n_devices],
-        stdout=False,
         progress=True,
         steps_per_dispatch=steps_per_dispatch,
     )

@@ -2,20 +2,25 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
-import numpy as np
 import optax
 import pytest
 
 from flax_loop import TrainLoop, TrainTask
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import (
+    MLP,
+    assert_same_arrays,
+    batches,
+    cross_entropy,
+    digits_split,
+    resume_worker,
+    run,
+    start,
+)
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def signalling_stream(at_batch, number):
@@ -72,36 +77,13 @@ def test_preemption_can_be_disabled():
         assert signal.getsignal(signal.SIGTERM) is handler
 
 
-def worker(directory, n_steps, extra=()):
-    return [
-        sys.executable,
-        "-m",
-        "tests.resume_worker",
-        str(directory),
-        "--n-steps",
-        str(n_steps),
-        "--devices",
-        "2",
-        "--every",
-        "20",
-        *extra,
-    ]
-
-
-def final_params(path):
-    data = np.load(path)
-    return {name: data[name] for name in data.files}
+def worker(directory, n_steps, *args):
+    return resume_worker(directory, n_steps, "--devices", 2, "--every", 20, *args)
 
 
 def test_sigterm_to_a_real_process_then_exact_resume(tmp_path):
     directory = tmp_path / "run"
-    process = subprocess.Popen(
-        worker(directory, 400, ["--batch-delay", "0.01"]),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = start(worker(directory, 400, "--batch-delay", 0.01))
     try:
         lines = []
         for line in process.stdout:
@@ -122,24 +104,7 @@ def test_sigterm_to_a_real_process_then_exact_resume(tmp_path):
     assert f"DONE {step}" in lines
     assert f"regular.{step}.ckpt" in os.listdir(directory)
 
-    resumed = subprocess.run(
-        worker(directory, 100, ["--out", str(tmp_path / "resumed.npz")]),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"START {step}" in resumed.stdout
-    straight = subprocess.run(
-        worker(tmp_path / "straight", 100, ["--out", str(tmp_path / "straight.npz")]),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    a, b = final_params(tmp_path / "resumed.npz"), final_params(tmp_path / "straight.npz")
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    resumed = run(worker(directory, 100, "--out", tmp_path / "resumed.npz"))
+    assert f"START {step}" in resumed
+    run(worker(tmp_path / "straight", 100, "--out", tmp_path / "straight.npz"))
+    assert_same_arrays(tmp_path / "resumed.npz", tmp_path / "straight.npz")

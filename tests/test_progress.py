@@ -4,12 +4,11 @@ import io
 
 import jax
 import optax
-import pytest
 from rich.console import Console
 
 from flax_loop import TrainLoop, TrainTask, console
 from flax_loop.progress import ProgressReport
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import MLP, batches, cross_entropy, digits_loop, digits_split
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
 
@@ -74,25 +73,13 @@ def test_report_throttles_updates(monkeypatch):
     assert shown == [4]
 
 
-@pytest.mark.parametrize("progress", [False, True])
-def test_progress_does_not_change_results(progress):
-    model = MLP()
-
+def test_progress_does_not_change_results():
     def final(progress):
         console._console = Console(file=io.StringIO())
         try:
-            loop = TrainLoop(
-                init=model.init,
-                task=TrainTask(
-                    model.apply, optax.sgd(0.1), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)
-                ),
-                rnkey=jax.random.key(0),
-                n_steps=5,
-                stdout=False,
-                progress=progress,
-            )
+            loop = digits_loop(optimizer=optax.sgd(0.1), n_steps=5, progress=progress)
             return list(loop)[-1].loss
         finally:
             console._console = None
 
-    assert final(progress) == final(not progress)
+    assert final(True) == final(False)
