@@ -70,7 +70,12 @@ def report_error(error: BaseException) -> None:
     client = _client() if is_multiprocess() else None
     if client is None:
         return
-    message = f"{jax.process_index()}:{type(error).__name__}: {error}"
+    text = f"{type(error).__name__}: {error}"
+    # Said here first: once the others stop, jax.distributed may abort this
+    # process (its coordinator is gone) before the traceback is printed.
+    sys.stderr.write(f"flax_loop: process {jax.process_index()} failed: {text}\n")
+    sys.stderr.flush()
+    message = f"{jax.process_index()}:{text}"
     try:
         client.key_value_set(_ERROR_KEY, message)
     except Exception:  # already set by another process: theirs is reported
