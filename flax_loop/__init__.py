@@ -1,13 +1,15 @@
 r"""flax_loop: an iterator-style managed training loop for JAX, Flax and Optax.
 
 >>> task = TrainTask(apply=model.apply, optimizer=optax.adam(1e-3),
-...                  loss=loss, data=batches)
->>> for checkpoint in TrainLoop(init=model.init, task=task,
-...                             rnkey=jax.random.key(0), n_steps=1000,
-...                             n_steps_per_checkpoint=100):
-...     print(checkpoint.step, checkpoint.mean_loss)
+...                  loss=cross_entropy, data=batches)
+>>> for checkpoint in TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+...                             n_steps=20, n_steps_per_checkpoint=10, stdout=False):
+...     print(checkpoint.step, checkpoint.mean_loss < 5)
+10 True
+20 True
 """
 
+from flax_loop import checkpoint as _checkpoint_package
 from flax_loop import errors, random
 from flax_loop.checkpoint import (
     Checkpoint,
@@ -24,12 +26,21 @@ from flax_loop.checkpoint import (
 from flax_loop.console import SummaryLogger
 from flax_loop.errors import FlaxLoopError
 from flax_loop.evaluation import EvalLoop
+from flax_loop.log import set_console
 from flax_loop.loop import TrainLoop
+from flax_loop.parallel import DATA_AXIS
 from flax_loop.task import EvalTask, TrainTask
 from flax_loop.tensorboard import SummaryWriter
 from flax_loop.version import __version__
 
+# flax-extra programs import the summary processors from the checkpoint
+# package; they are output and live with it, so they are offered there from
+# here rather than imported by it.
+_checkpoint_package.SummaryLogger = SummaryLogger  # type: ignore[attr-defined]
+_checkpoint_package.SummaryWriter = SummaryWriter  # type: ignore[attr-defined]
+
 __all__ = [
+    "DATA_AXIS",
     "Checkpoint",
     "CheckpointFile",
     "CheckpointFileReader",
@@ -50,4 +61,5 @@ __all__ = [
     "__version__",
     "errors",
     "random",
+    "set_console",
 ]

@@ -123,7 +123,12 @@ class BatchSpec:
     r"""The shapes and dtypes every batch of a stream must keep.
 
     >>> spec = BatchSpec.of(normalize_batch((np.zeros((8, 3)), np.zeros(8))))
-    >>> spec.validate(normalize_batch((np.zeros((8, 3)), np.zeros(8))))
+    >>> spec.describe()
+    'inputs (8, 3) float32; targets (8,) float32'
+    >>> spec.validate(normalize_batch((np.zeros((4, 3)), np.zeros(4))), step=7)
+    Traceback (most recent call last):
+    ...
+    flax_loop.errors.BatchError: The batch at step 7 differs from the first batch ...
     """
 
     inputs: tuple[tuple[tuple[int, ...], np.dtype], ...]
@@ -155,32 +160,14 @@ class BatchSpec:
         return f"inputs {group(self.inputs)}; targets {group(self.targets)}"
 
     def check_batch_axis(self, n_shards: int, step: int | None = None) -> None:
-        r"""Checks that every array has the same leading axis, divisible into shards.
+        r"""Checks that every array has one leading axis that splits into `n_shards`.
 
         Raises:
             BatchError: if an array is a scalar, leading axes differ, or the
                 batch size does not divide by `n_shards`.
         """
-        at = "" if step is None else f" at step {step}"
-        for shape, _ in self.inputs + self.targets:
-            if not shape:
-                raise BatchError(
-                    f"A batch{at} holds a scalar; every array needs a leading "
-                    f"batch axis. Got {self.describe()}."
-                )
-        sizes = {shape[0] for shape, _ in self.inputs + self.targets}
-        if len(sizes) != 1:
-            raise BatchError(
-                f"The arrays of a batch{at} have different leading (batch) "
-                f"sizes {sorted(sizes)}: {self.describe()}."
-            )
-        size = sizes.pop()
-        if size == 0 or size % n_shards:
-            raise BatchError(
-                f"A batch{at} of size {size} does not split evenly across "
-                f"{n_shards} devices ({self.describe()}); use a batch size "
-                f"that is a positive multiple of {n_shards}."
-            )
+        shapes = [shape for shape, _ in self.inputs + self.targets]
+        leading_size(shapes, n_shards=n_shards, step=step, described=self.describe())
 
     def fast_path(self, raw: Any) -> Batch | None:
         r"""The normalized batch if `raw` is a plain `(x, y)` of numpy arrays of
@@ -221,3 +208,47 @@ class BatchSpec:
                 "Every batch must keep the first batch's shapes and dtypes "
                 "(drop or pad a smaller last batch)."
             )
+
+
+def leading_size(
+    shapes: list[tuple[int, ...]],
+    n_shards: int | None = None,
+    step: int | None = None,
+    described: str | None = None,
+) -> int:
+    r"""The leading (batch) axis shared by arrays of these shapes.
+
+    The one check of the batch axis, for training and evaluation batches.
+
+    >>> leading_size([(8, 3), (8,)], n_shards=4)
+    8
+
+    Args:
+        shapes: the shapes of a batch's arrays.
+        n_shards: if given, the batch must split evenly into this many shards.
+        step: the step the batch is for, to name in a message.
+        described: the batch as a message shows it (its shapes by default).
+
+    Raises:
+        BatchError: if an array is a scalar, leading axes differ, or the
+            batch does not split into `n_shards`.
+    """
+    at = "" if step is None else f" at step {step}"
+    described = described or f"shapes {[tuple(shape) for shape in shapes]}"
+    if any(len(shape) == 0 for shape in shapes):
+        raise BatchError(
+            f"A batch{at} holds a scalar; every array needs a leading batch axis. Got {described}."
+        )
+    sizes = sorted({shape[0] for shape in shapes})
+    if len(sizes) != 1:
+        raise BatchError(
+            f"The arrays of a batch{at} have different leading (batch) sizes {sizes}: {described}."
+        )
+    size = sizes[0]
+    if n_shards is not None and (size == 0 or size % n_shards):
+        raise BatchError(
+            f"A batch{at} of size {size} does not split evenly across {n_shards} "
+            f"devices ({described}); use a batch size that is a positive multiple "
+            f"of {n_shards}."
+        )
+    return int(size)

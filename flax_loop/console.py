@@ -1,50 +1,20 @@
-r"""Console output through rich, printed by process 0 only."""
+r"""Summaries and the model's size on the console, through rich (process 0 only)."""
 
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-from rich.console import Console
+from rich.table import Table
 
-if TYPE_CHECKING:
-    from rich.table import Table
-
-    from flax_loop.checkpoint._checkpoint import Summary
-
-_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-_console: Console | None = None
-
-
-def console() -> Console:
-    r"""The shared rich console (created on first use, so tests can swap stdout)."""
-    global _console
-    if _console is None:
-        _console = Console(highlight=False)
-    return _console
-
-
-def is_main_process() -> bool:
-    r"""Whether this process prints, logs and writes files (process 0)."""
-    return jax.process_index() == 0
-
-
-def log(message: str, stdout: bool = True) -> None:
-    r"""Prints a message on process 0 when `stdout` is set."""
-    if stdout and is_main_process():
-        console().print(message)
-
-
-def format_bytes(size: int) -> str:
-    r"""`1536` -> `"1.5 KiB"`."""
-    if size < 1024:
-        return f"{size} B"
-    power = min(int(math.log(size, 1024)), len(_BYTE_UNITS) - 1)
-    return f"{size / 1024**power:.1f} {_BYTE_UNITS[power]}"
+from flax_loop.checkpoint import Checkpoint, Summary, as_summary, expect
+from flax_loop.log import console, format_bytes, is_main_process
 
 
 def count_parameters(params: Any) -> tuple[int, int]:
-    r"""The number of scalars in a pytree of arrays and their total bytes."""
+    r"""The number of scalars in a pytree of arrays and their total bytes.
+
+    >>> count_parameters({"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)})
+    (8, 32)
+    """
     leaves = jax.tree.leaves(params)
     return (
         sum(int(leaf.size) for leaf in leaves),
@@ -53,7 +23,11 @@ def count_parameters(params: Any) -> tuple[int, int]:
 
 
 def describe_model(params: Any, n_devices: int, setup_seconds: float) -> str:
-    r"""One line on the model's size and the loop's set-up time."""
+    r"""One line on the model's size and the loop's set-up time.
+
+    >>> describe_model({"w": np.zeros((256, 4), np.float32)}, 4, 1.5)
+    '[bold]Model[/bold]: 1,024 parameters (4.0 KiB) on 4 devices; set-up 1.50 s'
+    """
     n_params, n_bytes = count_parameters(params)
     devices = "1 device" if n_devices == 1 else f"{n_devices} devices"
     return (
@@ -63,11 +37,11 @@ def describe_model(params: Any, n_devices: int, setup_seconds: float) -> str:
 
 
 class SummaryLogger:
-    r"""Prints each summary as a compact table: step, time, groups and metrics.
+    r"""Prints each summary (or checkpoint) as a table: step, time, groups and metrics.
 
-    >>> process = redex.combinator.serial(eval_loop, SummaryLogger())
+    >>> log = SummaryLogger()
     >>> for checkpoint in loop:
-    ...     process(checkpoint)
+    ...     _ = log(eval_loop(checkpoint))      # or log(checkpoint): its train statistics
 
     Only process 0 prints. Groups may be empty and metrics may appear later.
     """
@@ -75,13 +49,11 @@ class SummaryLogger:
     def __init__(self, stdout: bool = True) -> None:
         self._stdout = stdout
 
-    def __call__(self, summary: "Summary") -> "Summary":
-        r"""Prints the summary and returns it unchanged."""
-        from flax_loop.checkpoint._checkpoint import Summary, expect
-
-        expect(summary, Summary, "SummaryLogger")
+    def __call__(self, summary: Checkpoint) -> Checkpoint:
+        r"""Prints the summary and returns what it was given, unchanged."""
+        expect(summary, Checkpoint, "SummaryLogger")
         if self._stdout and is_main_process():
-            console().print(render_summary(summary))
+            console().print(render_summary(as_summary(summary)))
         return summary
 
 
@@ -95,10 +67,8 @@ def _format_value(value: Any) -> str:
     return f"{number:.6f}"
 
 
-def render_summary(summary: "Summary") -> "Table":
+def render_summary(summary: Summary) -> Table:
     r"""A rich table of a summary's metrics, titled with its step and timing."""
-    from rich.table import Table
-
     steps = summary.n_completed_steps
     title = (
         f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "

@@ -85,8 +85,9 @@ def report_error(error: BaseException) -> None:
 class FailureWatcher:
     r"""Ends this process when another process reports an error.
 
-    >>> with FailureWatcher():
-    ...     train()      # if process 1 fails, process 0 exits within ~1 s
+    >>> with FailureWatcher():     # one process: nothing to watch
+    ...     jax.process_count()        # with several, a failure elsewhere ends this one
+    1
     """
 
     def __init__(self, poll_seconds: float = 0.25) -> None:

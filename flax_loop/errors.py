@@ -56,3 +56,31 @@ class MetricError(FlaxLoopError, KeyError):
     def __str__(self) -> str:
         # KeyError quotes its message; show it as written.
         return str(self.args[0]) if self.args else ""
+
+
+def check_count(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    r"""`value` as an int if it is an integer in `[minimum, maximum]`.
+
+    The one check of every count argument (steps, sizes, `keep`, ...).
+
+    >>> check_count("keep", 2, 1)
+    2
+    >>> check_count("keep", 0, 1)
+    Traceback (most recent call last):
+    ...
+    flax_loop.errors.ConfigError: keep must be >= 1; got 0.
+
+    Raises:
+        ConfigError: naming the argument, the value and the range.
+    """
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(
+            f"{name} must be an integer >= {minimum}; got {value!r} of type {type(value).__name__}."
+        )
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}; got {value}.")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum:,}; got {value:,}.")
+    return int(value)

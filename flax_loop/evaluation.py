@@ -1,10 +1,11 @@
 r"""`EvalLoop`: exact, example-weighted metrics of a checkpoint on eval data.
 
->>> eval_loop = EvalLoop(EvalTask(apply=partial(model.apply, train=False),
-...                               metrics={"accuracy": accuracy}, data=test_batches),
+>>> eval_loop = EvalLoop(EvalTask(apply=model.apply, metrics={"accuracy": accuracy},
+...                               data=test_batches),
 ...                      rnkey=jax.random.key(1), n_steps=None)
 >>> summary = eval_loop(checkpoint)
->>> summary.metrics["eval"]["accuracy"]
+>>> list(summary.metrics)
+['train', 'eval']
 
 Each metric is `fn(*outputs, *targets)` returning one value per example (an
 array with a leading batch axis) or the batch's mean (a scalar; it is then
@@ -13,62 +14,22 @@ whose size does not divide by the device count are padded and the padding
 is masked out: every example counts once, none is dropped.
 """
 
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from flax_loop import distributed
-from flax_loop.batch import Batch, normalize_batch
-from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
-from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
-from flax_loop.parallel import Placement, to_host
-from flax_loop.random import as_typed_key, into_collection, labels_of
+from flax_loop.batch import Batch, leading_size, normalize_batch
+from flax_loop.checkpoint import Checkpoint, Summary, expect, summarize
+from flax_loop.errors import ConfigError, DataExhaustedError, check_count
+from flax_loop.parallel import InFlight, Placement, to_host
+from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
 from flax_loop.task import EvalTask
 
 Totals = dict[str, jax.Array]
-
-
-def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
-    r"""Training statistics of a checkpoint's interval, as plain floats.
-
-    `loss` is the mean over the interval, `last_loss` the last step's;
-    the L2 norms are global norms over every leaf.
-    """
-    n_steps = max(int(checkpoint.n_completed_steps), 1)
-    elapsed = float(checkpoint.elapsed_time)
-    mean_loss = checkpoint.mean_loss if checkpoint.mean_loss is not None else checkpoint.loss
-    grads_norm, weights_norm = to_host(_global_norms(checkpoint.grads, checkpoint.model_params))
-    return {
-        "loss": float(mean_loss),
-        "last_loss": float(checkpoint.loss),
-        "seconds_per_step": elapsed / n_steps,
-        "steps_per_second": n_steps / elapsed if elapsed > 0 else float("inf"),
-        "gradients_l2norm": float(grads_norm),
-        "weights_l2norm": float(weights_norm),
-    }
-
-
-@jax.jit
-def _global_norms(grads: Any, params: Any) -> tuple[jax.Array, jax.Array]:
-    return optax.tree.norm(grads), optax.tree.norm(params)
-
-
-def summarize(checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]) -> Summary:
-    r"""A summary of `checkpoint` with `metrics` under `group`.
-
-    A summary given in is extended: its groups are kept and `group` is merged.
-    """
-    groups = {name: dict(values) for name, values in getattr(checkpoint, "metrics", {}).items()}
-    if "train" not in groups:
-        groups["train"] = train_statistics(checkpoint)
-    groups[group] = {**groups.get(group, {}), **metrics}
-    fields = {k: v for k, v in vars(checkpoint).items() if k != "metrics"}
-    return Summary(metrics=groups, **fields)
 
 
 class EvalLoop:
@@ -102,10 +63,8 @@ class EvalLoop:
                 all of them by default.
             group: the name of the metric group in the summary.
         """
-        if n_steps is not None and (
-            isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1
-        ):
-            raise ConfigError(f"n_steps must be an integer >= 1 or None; got {n_steps!r}.")
+        if n_steps is not None:
+            n_steps = check_count("n_steps", n_steps, 1)
         if not isinstance(task.metrics, Mapping) or not task.metrics:
             raise ConfigError(
                 f"task.metrics must map names to functions, e.g. "
@@ -115,11 +74,7 @@ class EvalLoop:
             if not callable(metric):
                 raise ConfigError(f"metric {name!r} is not callable: {metric!r}.")
         if devices is None and n_devices is not None:
-            if not 1 <= n_devices <= len(jax.devices()):
-                raise ConfigError(
-                    f"n_devices must be between 1 and {len(jax.devices())}; got {n_devices}."
-                )
-            devices = jax.devices()[:n_devices]
+            devices = jax.devices()[: check_count("n_devices", n_devices, 1, len(jax.devices()))]
         self._task = task
         self._n_steps = n_steps
         self._group = group
@@ -147,9 +102,9 @@ class EvalLoop:
         variables = self._placement.replicate(
             {"params": checkpoint.model_params, **dict(checkpoint.model_state)}
         )
-        step_key = jax.random.fold_in(self._key, int(checkpoint.step))
+        step = int(checkpoint.step)
         totals: Totals | None = None
-        in_flight: deque[jax.Array] = deque()
+        in_flight = InFlight(self._placement.dispatch_depth)
         batches: Iterable[Batch] = self._batches()
         pad_to = None
         if self._placement.multiprocess:
@@ -161,11 +116,9 @@ class EvalLoop:
                     {name: np.zeros((), np.float32) for name in [*self._task.metrics, "__count__"]}
                 )
             totals = self._evaluate(
-                totals, variables, inputs, targets, mask, jax.random.fold_in(step_key, index)
+                totals, variables, inputs, targets, mask, eval_key(self._key, step, index)
             )
-            in_flight.append(totals["__count__"])
-            if len(in_flight) > self._placement.dispatch_depth:
-                in_flight.popleft().block_until_ready()
+            in_flight.push(totals["__count__"])
         if totals is None:
             raise DataExhaustedError(
                 "The eval data yielded no batch. For whole passes (n_steps=None) "
@@ -232,13 +185,7 @@ class EvalLoop:
 
     def _pad(self, batch: Batch, pad_to: int | None = None) -> tuple[Any, Any, Any]:
         inputs, targets = batch
-        sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in inputs + targets}
-        if len(sizes) != 1 or None in sizes:
-            raise BatchError(
-                f"Every array of an eval batch needs the same leading batch axis; "
-                f"got shapes {[np.shape(leaf) for leaf in inputs + targets]}."
-            )
-        size: int = sizes.pop()  # type: ignore[assignment]
+        size = leading_size([np.shape(leaf) for leaf in inputs + targets])
         n = self._placement.n_local_devices
         padded = -(-size // n) * n
         if self._batch_size is None:

@@ -5,6 +5,7 @@ replicated state is laid out with `PartitionSpec()`, batches are split along
 their first axis with `PartitionSpec("data")`.
 """
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,8 +31,10 @@ class Placement:
     r"""Where a loop's arrays live: a 1-D mesh over its devices.
 
     >>> placement = Placement(jax.devices())
-    >>> state = placement.replicate(state)          # same value on every device
-    >>> batch = placement.shard_batch(batch)        # first axis split across them
+    >>> state = placement.replicate({"w": np.ones(3)})     # same value on every device
+    >>> batch = placement.shard_batch(np.zeros((8, 3)))    # first axis split across them
+    >>> len(batch.addressable_shards) == placement.n_devices
+    True
     """
 
     def __init__(self, devices: Sequence[Any] | None = None) -> None:
@@ -113,9 +116,52 @@ class Placement:
         sharding = self.stacked_batch_sharding if stacked else self.batch_sharding
         if not self.multiprocess:
             return jax.device_put(tree, sharding)
-        return jax.tree.map(
-            lambda leaf: jax.make_array_from_process_local_data(sharding, leaf), tree
-        )
+
+        def place(leaf: Any) -> jax.Array:
+            if isinstance(leaf, jax.Array):
+                leaf = to_host(leaf)
+            return jax.make_array_from_process_local_data(sharding, leaf)
+
+        return jax.tree.map(place, tree)
+
+    def feed_batch(self, tree: Any) -> Any:
+        r"""A batch of one process as the compiled step takes it.
+
+        Numpy leaves stay as they are (the step's call copies them to the
+        devices, the cheapest way); JAX arrays that live elsewhere (say,
+        committed to one device) are moved onto the batch's devices.
+        """
+
+        def place(leaf: Any) -> Any:
+            if isinstance(leaf, jax.Array) and leaf.sharding != self.batch_sharding:
+                return jax.device_put(leaf, self.batch_sharding)
+            return leaf
+
+        return jax.tree.map(place, tree)
+
+
+class InFlight:
+    r"""A bound on the steps queued on the devices, for every loop that dispatches.
+
+    >>> queue = InFlight(depth=2)
+    >>> for step in range(5):
+    ...     queue.push(jax.numpy.ones(()) * step)   # waits for step - 2 first
+    >>> len(queue)
+    2
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._queue: deque[jax.Array] = deque()
+
+    def push(self, marker: jax.Array) -> None:
+        r"""Notes a dispatched computation; waits for the oldest beyond the depth."""
+        self._queue.append(marker)
+        if len(self._queue) > self.depth:
+            self._queue.popleft().block_until_ready()
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
 
 def to_host(tree: Any) -> Any:

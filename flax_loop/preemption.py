@@ -1,12 +1,16 @@
-r"""Preemption: SIGTERM or SIGINT asks the loop to stop after the current step.
+r"""Preemption: SIGTERM or SIGINT asks the loop to stop with a last checkpoint.
 
-While a loop trains, the signals set a flag instead of killing the process;
-the loop then finishes the step in flight, yields a last checkpoint marked
-`preempted` (which the caller's usual processing writes to disk) and stops.
-A second signal acts as if flax_loop had not intervened. The original
-handlers come back as soon as the loop stops iterating.
+While a loop iterates (its body included), the signals set a flag instead
+of killing the process; the loop then finishes the step in flight, yields a
+last checkpoint marked `preempted` (which the caller's usual processing
+writes to disk) and stops. A request that arrives while the caller's body
+runs is kept: the next iteration yields that checkpoint at once, without
+training further. A second SIGINT raises `KeyboardInterrupt` at once (a
+second SIGTERM, its previous handling). The original handlers come back as
+soon as the loop stops iterating.
 """
 
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -19,10 +23,11 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class PreemptionGuard:
     r"""Turns the given signals into a stop request while installed.
 
-    >>> guard = PreemptionGuard([signal.SIGTERM])
+    >>> guard = PreemptionGuard([signal.SIGUSR1])
     >>> with guard:
-    ...     while not guard.requested:
-    ...         train_one_step()
+    ...     signal.raise_signal(signal.SIGUSR1)
+    ...     guard.requested
+    True
     """
 
     def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS) -> None:
@@ -39,8 +44,10 @@ class PreemptionGuard:
         self.uninstall()
 
     def install(self) -> None:
-        r"""Installs the handlers (only the main thread can; elsewhere a no-op)."""
-        self.requested, self.signal = False, None
+        r"""Installs the handlers (only the main thread can; elsewhere a no-op).
+
+        A request made while installed before is kept until `clear`.
+        """
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
         for number in self.signals:
@@ -52,10 +59,23 @@ class PreemptionGuard:
             signal.signal(number, previous)
         self._previous = {}
 
+    def clear(self) -> None:
+        r"""Forgets a stop request (once the loop has stopped for it)."""
+        self.requested, self.signal = False, None
+
     def _handle(self, number: int, frame: FrameType | None) -> None:
         if self.requested:
             # A second signal: the user insists; behave as without the guard.
             self.uninstall()
+            if number == signal.SIGINT:
+                raise KeyboardInterrupt
             signal.raise_signal(number)
             return
         self.requested, self.signal = True, number
+        # os.write, not print: a signal handler may interrupt a print.
+        what = (
+            "press Ctrl-C again to stop at once"
+            if number == signal.SIGINT
+            else f"{signal.Signals(number).name} received"
+        )
+        os.write(2, f"flax_loop: stopping after this step ({what}).\n".encode())

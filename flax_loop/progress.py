@@ -25,11 +25,15 @@ LINE_REFRESH_SECONDS = 30.0
 class ProgressReport:
     r"""Progress of a training loop, updated cheaply from the step loop.
 
-    >>> report = ProgressReport(console)
+    >>> import io
+    >>> lines = Console(file=io.StringIO(), force_terminal=False)   # a log file
+    >>> report = ProgressReport(lines)
     >>> report.start(step=0, total=1000)
-    >>> report.advance(step)                      # every step; throttled
-    >>> report.checkpoint(step, loss=0.12)        # at every checkpoint
+    >>> report.advance(10)                        # every step; throttled
+    >>> report.checkpoint(100, loss=0.12)         # at every checkpoint
     >>> report.stop()
+    >>> lines.file.getvalue().split(" · ")[0]
+    'step 100/1000'
     """
 
     def __init__(self, console: Console) -> None:

@@ -1,9 +1,17 @@
 r"""Random keys: the run's key, and keys derived from it on the device.
 
-A loop holds one typed key. Each step derives its keys from that key, the
-step number and the device index, inside the compiled update, so the host
-never splits keys per step and a resumed run draws the same numbers as one
-that never stopped.
+A loop holds one typed key, the run's. From it derive, and only here:
+
+- `init_key(key)`: the model's initialization;
+- `train_key(key)`, then `step_keys(train_key, step, device_index, labels)`
+  inside the compiled update, so the host never splits keys per step and a
+  resumed run draws the same numbers as one that never stopped;
+- `eval_key(key, step, batch_index)`: an evaluation's batches.
+
+>>> key = jax.random.key(0)
+>>> keys = step_keys(train_key(key), step=1, device_index=0, labels=["dropout"])
+>>> sorted(keys)
+['dropout']
 """
 
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,6 +46,21 @@ def as_typed_key(key: Any) -> jax.Array:
         f"got {type(key).__name__} {getattr(key, 'shape', '')} "
         f"{getattr(key, 'dtype', '')}."
     )
+
+
+def init_key(key: jax.Array) -> jax.Array:
+    r"""The key that initializes the model."""
+    return jax.random.fold_in(key, 0)
+
+
+def train_key(key: jax.Array) -> jax.Array:
+    r"""The key every training step's keys derive from (with `step_keys`)."""
+    return jax.random.fold_in(key, 1)
+
+
+def eval_key(key: jax.Array, step: int, batch_index: int | jax.Array) -> jax.Array:
+    r"""The key of one evaluation batch of the checkpoint at `step`."""
+    return jax.random.fold_in(jax.random.fold_in(key, step), batch_index)
 
 
 def into_collection(key: jax.Array, labels: Sequence[str]) -> dict[str, jax.Array]:
@@ -75,6 +98,8 @@ def into_sequence(key: Any) -> KeyGenerator:
 
     >>> keys = into_sequence(jax.random.key(0))
     >>> first, second = next(keys), next(keys)
+    >>> bool(jax.random.key_data(first)[0] != jax.random.key_data(second)[0])
+    True
     """
     current = as_typed_key(key)
     while True:
@@ -86,7 +111,8 @@ def sequence(seed: int, num: int = 1) -> KeyGenerator | list[KeyGenerator]:
     r"""Creates `num` independent key generators from an integer seed.
 
     >>> rnkeyg = sequence(seed=0)
-    >>> key = next(rnkeyg)
+    >>> next(rnkeyg).shape
+    ()
     """
     root = jax.random.key(seed)
     if num == 1:
@@ -110,9 +136,19 @@ def key_from_data(impl: str, data: np.ndarray) -> jax.Array:
     return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
 
 
-def labels_of(collections: Mapping[str, Sequence[str]], kind: str) -> list[str]:
-    r"""The RNG labels for `kind` ("init" or "apply") in `collections`."""
+def labels_of(collections: Mapping[str, Sequence[str]] | None, kind: str) -> list[str]:
+    r"""The RNG labels for `kind` ("init" or "apply") in `collections`.
+
+    >>> labels_of({"apply": ["dropout"]}, "init"), labels_of({"apply": ["dropout"]}, "apply")
+    (['params'], ['dropout'])
+    """
     defaults = {"init": ["params"], "apply": []}
+    if collections is None:
+        return defaults[kind]
+    if not isinstance(collections, Mapping):
+        raise ConfigError(
+            f'collections must be a mapping such as {{"apply": ["dropout"]}}; got {collections!r}.'
+        )
     labels = collections.get(kind, defaults[kind])
     if isinstance(labels, str) or not all(isinstance(label, str) for label in labels):
         raise ConfigError(
@@ -120,3 +156,15 @@ def labels_of(collections: Mapping[str, Sequence[str]], kind: str) -> list[str]:
             f'such as ["dropout"]; got {labels!r}.'
         )
     return list(labels)
+
+
+def same_key(a: jax.Array, b: jax.Array) -> bool:
+    r"""Whether two typed keys are the same key (implementation and data).
+
+    >>> key = jax.random.key(0)
+    >>> same_key(key, jax.random.key(0)), same_key(key, jax.random.key(1))
+    (True, False)
+    """
+    return jax.random.key_impl(a) == jax.random.key_impl(b) and bool(
+        (jax.random.key_data(a) == jax.random.key_data(b)).all()
+    )

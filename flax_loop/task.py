@@ -7,6 +7,7 @@ from typing import Any
 import optax
 
 from flax_loop.batch import DataStream
+from flax_loop.errors import ConfigError
 
 MetricFn = Callable[..., Any]
 
@@ -17,7 +18,8 @@ class TrainTask:
 
     >>> task = TrainTask(apply=model.apply, optimizer=optax.adam(1e-3),
     ...                  loss=cross_entropy, data=batches)
-    >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0))
+    >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                  n_steps=100, stdout=False)
     """
 
     apply: Callable[..., Any]
@@ -46,6 +48,8 @@ class EvalTask:
     >>> task = EvalTask(apply=model.apply, data=test_batches,
     ...                 metrics={"accuracy": accuracy, "loss": cross_entropy})
     >>> summary = EvalLoop(task, rnkey=jax.random.key(1), n_steps=None)(checkpoint)
+    >>> sorted(summary.metrics["eval"])
+    ['accuracy', 'loss']
     """
 
     apply: Callable[..., Any]
@@ -61,3 +65,30 @@ class EvalTask:
     For whole passes (`EvalLoop(n_steps=None)`), give something that can be
     iterated again: a list, or a function returning a fresh iterator.
     """
+
+
+def check_train_task(task: Any) -> TrainTask:
+    r"""`task` if it describes training (duck-typed, as flax-extra's was).
+
+    Raises:
+        ConfigError: naming what is missing or of the wrong kind.
+    """
+    missing = [name for name in ("apply", "optimizer", "loss", "data") if not hasattr(task, name)]
+    if missing:
+        raise ConfigError(
+            f"task must be a TrainTask(apply, optimizer, loss, data); got "
+            f"{type(task).__name__} without {', '.join(missing)}."
+        )
+    for name in ("apply", "loss"):
+        if not callable(getattr(task, name)):
+            raise ConfigError(f"task.{name} must be callable; got {getattr(task, name)!r}.")
+    optimizer = task.optimizer
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise ConfigError(
+            f"task.optimizer must be an optax.GradientTransformation (with init "
+            f"and update), such as optax.adam(1e-3); got {optimizer!r} of type "
+            f"{type(optimizer).__name__}."
+        )
+    return task

@@ -8,17 +8,20 @@ import os
 import time
 from typing import Any
 
-from flax_loop.checkpoint._checkpoint import Summary, expect
-from flax_loop.console import is_main_process
+from flax_loop.checkpoint import Checkpoint, as_summary, expect
 from flax_loop.errors import ConfigError
+from flax_loop.log import is_main_process
 
 
 class SummaryWriter:
     r"""Writes each summary's metrics as scalars `group/metric` at its step.
 
-    >>> writer = SummaryWriter(output_dir="runs/digits")
+    >>> writer = SummaryWriter(output_dir=str(tmp / "runs"))
     >>> for checkpoint in loop:
-    ...     writer(eval_loop(checkpoint))
+    ...     _ = writer(eval_loop(checkpoint))   # or writer(checkpoint): its train statistics
+    >>> writer.close()
+    >>> [name.split(".")[0] for name in os.listdir(tmp / "runs")]
+    ['events']
 
     One event file is kept open, flushed after every summary and closed at
     `close()`, on `with`-exit or at interpreter exit. Only process 0 writes.
@@ -45,11 +48,12 @@ class SummaryWriter:
             atexit.register(self.close)
         return self._writer
 
-    def __call__(self, summary: Summary) -> Summary:
-        r"""Writes the summary's scalars and returns the summary unchanged."""
-        expect(summary, Summary, "SummaryWriter")
+    def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
+        r"""Writes the summary's (or checkpoint's) scalars and returns it unchanged."""
+        expect(checkpoint, Checkpoint, "SummaryWriter")
         if not is_main_process():
-            return summary
+            return checkpoint
+        summary = as_summary(checkpoint)
         writer = self._open()
         from tensorboardX.proto import event_pb2, summary_pb2
 
@@ -66,7 +70,7 @@ class SummaryWriter:
             )
         )
         writer.flush()
-        return summary
+        return checkpoint
 
     def close(self) -> None:
         r"""Flushes and closes the event file."""

@@ -16,3 +16,13 @@ assert len(jax.devices()) == 4, jax.devices()
 @pytest.fixture
 def devices() -> list:
     return jax.devices()
+
+
+@pytest.fixture(autouse=True)
+def fresh_console():
+    """Every test starts and ends with flax_loop printing to the current stdout."""
+    from flax_loop import set_console
+
+    set_console(None)
+    yield
+    set_console(None)

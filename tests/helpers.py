@@ -83,10 +83,14 @@ class ResumableBatches:
         self.position = int(state["position"])
 
 
-def leaves_close(a: Any, b: Any, rtol: float) -> float:
-    """The largest relative difference between two pytrees of arrays."""
+def relative_difference(a: Any, b: Any) -> float:
+    """The largest relative difference between two pytrees of arrays of one structure."""
     import jax
 
+    assert jax.tree.structure(a) == jax.tree.structure(b), (
+        jax.tree.structure(a),
+        jax.tree.structure(b),
+    )
     diffs = jax.tree.map(
         lambda u, v: float(
             np.max(np.abs(np.asarray(u) - np.asarray(v))) / (np.max(np.abs(np.asarray(v))) + 1e-12)
@@ -132,13 +136,19 @@ def train(n_steps: int, every: int, model: Any = None, **options: Any) -> list:
     return list(digits_loop(model, n_steps=n_steps, n_steps_per_checkpoint=every, **options))
 
 
+def file_names(directory: Any) -> list[str]:
+    """The sorted names in a directory, but writers' lock files (`.lock.*`)."""
+    import os
+
+    return sorted(name for name in os.listdir(directory) if not name.startswith(".lock."))
+
+
 def directory_bytes(directory: Any) -> dict[str, bytes]:
-    """Every file of a directory by name, with its bytes."""
+    """Every file of a directory (but lock files) by name, with its bytes."""
     import os
 
     return {
-        name: open(os.path.join(directory, name), "rb").read()
-        for name in sorted(os.listdir(directory))
+        name: open(os.path.join(directory, name), "rb").read() for name in file_names(directory)
     }
 
 

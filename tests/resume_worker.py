@@ -67,8 +67,8 @@ def main() -> None:
             time.sleep(args.sleep)
     if args.out:
         if loop.step == start:  # nothing left to train: take the newest file
-            raw = CheckpointFileReader(dir=args.dir, target=model.init).read(None)
-            state = {"params": raw["model_params"], **raw["model_state"]}
+            raw = CheckpointFileReader(dir=args.dir, target=model.init).read_newest()
+            state = {"params": raw.model_params, **raw.model_state}
         else:
             state = {"params": checkpoint.model_params, **checkpoint.model_state}
         flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, state), sep="/")

@@ -12,7 +12,7 @@ import pytest
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.checkpoint import _file
 from flax_loop.errors import CheckpointError
-from tests.helpers import ROOT, directory_bytes, train
+from tests.helpers import ROOT, directory_bytes, file_names, train
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_the_next_write_waits_for_the_previous_one(tmp_path, checkpoints, monkey
     writer(checkpoints[1])  # waits for the first, then returns at once
     writer.close()
     assert order == [5, 10]
-    assert sorted(os.listdir(tmp_path)) == ["regular.10.ckpt", "regular.5.ckpt"]
+    assert file_names(tmp_path) == ["regular.10.ckpt", "regular.5.ckpt"]
 
 
 def test_a_failed_background_write_raises_at_the_next_write_and_at_wait(
@@ -77,7 +77,7 @@ def test_a_failed_background_write_raises_at_the_next_write_and_at_wait(
     monkeypatch.undo()
     writer.close()
     assert directory_bytes(tmp_path) == before
-    assert CheckpointFileReader(dir=str(tmp_path), target=None).read(None)["step"] == 5
+    assert CheckpointFileReader(dir=str(tmp_path), target=None).read_newest().step == 5
 
 
 def test_pending_writes_finish_at_interpreter_exit(tmp_path):
@@ -115,5 +115,5 @@ def test_pending_writes_finish_at_interpreter_exit(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "LEAVING" in result.stdout
-    assert os.listdir(tmp_path) == ["regular.5.ckpt"]
-    assert CheckpointFileReader(dir=str(tmp_path), target=None).read(None)["step"] == 5
+    assert file_names(tmp_path) == ["regular.5.ckpt"]
+    assert CheckpointFileReader(dir=str(tmp_path), target=None).read_newest().step == 5

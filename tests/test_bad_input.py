@@ -108,12 +108,43 @@ def into_file(directory):
 def checkpoint_of(directory):
     from flax_loop import Checkpoint
 
-    raw = CheckpointFileReader(dir=str(directory), target=None).read(None)
-    return Checkpoint(raw["model_params"], {}, {}, {}, 0.0, 1, 0.0, 6)
+    raw = CheckpointFileReader(dir=str(directory), target=None).read_newest()
+    return Checkpoint(raw.model_params, {}, {}, {}, 0.0, 1, 0.0, 6)
 
 
 def summary_of(directory):
     return Summary(metrics={"eval": {"loss": 0.1}}, **vars(checkpoint_of(directory)))
+
+
+def summary_with_metric(directory, value):
+    return Summary(metrics={"eval": {"accuracy": value}}, **vars(checkpoint_of(directory)))
+
+
+def best_writer_given(value):
+    from flax_loop import HighestCheckpointFileWriter
+
+    def case(directory):
+        writer = HighestCheckpointFileWriter(
+            output_dir=str(directory), metric="accuracy", stdout=False
+        )
+        writer(summary_with_metric(directory, value))
+
+    return case
+
+
+def object_array_at_step(step):
+    def data():
+        for index, batch in enumerate(stream()):
+            yield (np.array([object()] * 32), batch[1]) if index == step - 1 else batch
+
+    return data()
+
+
+def bfloat16_init(*args, **kwargs):
+    import jax.numpy as jnp
+
+    variables = MODEL.init(*args, **kwargs)
+    return jax.tree.map(lambda v: v.astype(jnp.bfloat16), variables)
 
 
 def raising_init(*args, **kwargs):
@@ -202,11 +233,15 @@ CASES = {
         CheckpointError,
         "'/proc/flax_loop'",
     ),
-    "keep-zero": (lambda d: CheckpointFileWriter(output_dir=str(d), keep=0), ConfigError, "got 0"),
+    "keep-zero": (
+        lambda d: CheckpointFileWriter(output_dir=str(d), keep=0),
+        ConfigError,
+        "keep must be >= 1; got 0",
+    ),
     "another-model": (
         lambda d: train(d, model=MLP(features=(32,))),
         CheckpointMismatchError,
-        r"model \(64, 32\), file \(64, 64\)",
+        r"model float32\[64, 32\], file float32\[64, 64\]",
     ),
     "truncated-file": (train, CheckpointCorruptError, "regular.5.ckpt is truncated"),
     "flipped-byte": (train, CheckpointCorruptError, "fails its checksum"),
@@ -218,22 +253,51 @@ CASES = {
         MetricError,
         r"eval/accuracy .*\['loss'\]",
     ),
-    "logger-given-a-checkpoint": (
-        lambda d: SummaryLogger()(checkpoint_of(d)),
+    "logger-given-a-dict": (
+        lambda d: SummaryLogger()({"step": 6, "loss": 0.5}),
         ConfigError,
-        "SummaryLogger needs a Summary .*got Checkpoint",
+        "SummaryLogger needs a Checkpoint or a Summary; got dict",
     ),
     "writer-given-a-dict": (
         lambda d: CheckpointFileWriter(output_dir=str(d))({"step": 6}),
         ConfigError,
         "CheckpointFileWriter needs a Checkpoint .*got dict",
     ),
+    "n-steps-beyond-int32": (
+        lambda d: train(d, n_steps=10**12),
+        ConfigError,
+        "n_steps must be <= 2,147,483,647; got 1,000,000,000,000",
+    ),
+    "best-metric-a-vector": (
+        best_writer_given(np.array([0.5, 0.6])),
+        MetricError,
+        "eval/accuracy must be one real number; got array",
+    ),
+    "best-metric-none": (best_writer_given(None), MetricError, "one real number; got None"),
+    "best-metric-a-string": (best_writer_given("0.9"), MetricError, "one real number; got '0.9'"),
+    "object-array-mid-run": (
+        lambda d: train(d, data=object_array_at_step(3), init=MODEL.init, n_steps=5),
+        BatchError,
+        "(?s)The batch for step 3: inputs .*converts to an object array",
+    ),
+    "float32-file-into-bfloat16-model": (
+        lambda d: train(d, init=CheckpointFileReader(dir=str(d), target=bfloat16_init)),
+        CheckpointMismatchError,
+        r"regular.5.ckpt holds another model or optimizer.*Dense_0/bias: model bfloat16\[64\], "
+        r"file float32\[64\]",
+    ),
+    "adam-file-into-adamw-run": (
+        lambda d: train(d, optimizer=optax.adamw(1e-2)),
+        CheckpointMismatchError,
+        r"regular.5.ckpt holds another model or optimizer.*/optimizer_state/2: model empty, "
+        "file absent",
+    ),
     "eval-n-steps-zero": (
         lambda d: EvalLoop(
             EvalTask(MODEL.apply, {"accuracy": accuracy}, []), jax.random.key(0), n_steps=0
         ),
         ConfigError,
-        "got 0",
+        "n_steps must be >= 1; got 0",
     ),
 }
 DAMAGE = {"truncated-file": "truncate", "flipped-byte": "flip", "newer-version": "version"}
@@ -259,8 +323,10 @@ def pristine(tmp_path_factory):
 snapshot = directory_bytes
 
 
-def test_at_least_twenty_cases():
-    assert len(CASES) >= 20
+def test_every_case_names_its_value():
+    # A case must check a message, not only an exception type.
+    assert len(CASES) >= 35
+    assert all(len(message) >= 6 for _, _, message in CASES.values())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -93,14 +93,19 @@ def test_shape_change_mid_run_is_an_error_not_a_recompile():
 
 def test_one_compilation_per_loop():
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, duration, **kwargs: (
-            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
-        )
-    )
-    loop = make_loop(batches(X_TRAIN, Y_TRAIN, 32))
-    loop.n_steps_per_checkpoint = 3
-    compiles.clear()
-    steps = [checkpoint.step for checkpoint in loop]
+
+    def listener(name, duration, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        loop = make_loop(batches(X_TRAIN, Y_TRAIN, 32))
+        assert len(compiles) >= 3  # the listener sees the set-up's compilations
+        loop.n_steps_per_checkpoint = 3
+        compiles.clear()
+        steps = [checkpoint.step for checkpoint in loop]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert steps == [3, 6, 9, 10]
     assert compiles == []

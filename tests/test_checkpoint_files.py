@@ -4,6 +4,7 @@ import os
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from flax_loop import (
@@ -29,6 +30,8 @@ from tests.helpers import (
     assert_same_arrays,
     digits_loop,
     digits_split,
+    directory_bytes,
+    file_names,
     resume_worker,
     run,
 )
@@ -43,7 +46,7 @@ def make_loop(init=None, n_devices=1, features=(64,), **options):
 
 
 def files(directory):
-    return sorted(name for name in os.listdir(directory))
+    return file_names(directory)
 
 
 def assert_trees_equal(a, b):
@@ -52,11 +55,11 @@ def assert_trees_equal(a, b):
     )
 
 
-def initializer_of(loop_params, loop):
+def initializer_of(checkpoint):
     return CheckpointFile(
-        model_params=loop_params,
+        model_params=checkpoint.model_params,
         model_state={},
-        optimizer_state=loop._state.optimizer_state,
+        optimizer_state=checkpoint.optimizer_state,
         step=0,
     )
 
@@ -68,9 +71,7 @@ def test_round_trip_and_keep_two(tmp_path):
     assert [c.step for c in checkpoints] == [5, 10, 15, 20]
     assert files(tmp_path) == ["regular.15.ckpt", "regular.20.ckpt"]
     last = checkpoints[-1]
-    restored = CheckpointFileReader(dir=str(tmp_path), target=None)(
-        initializer_of(last.model_params, loop)
-    )
+    restored = CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(last))
     assert restored.step == 20
     assert_trees_equal(restored.model_params, last.model_params)
     assert_trees_equal(restored.optimizer_state, last.optimizer_state)
@@ -83,9 +84,9 @@ def test_writer_returns_its_input_and_summary_metrics_are_stored(tmp_path):
     summary = Summary(metrics={"eval": {"accuracy": 0.5}}, **vars(checkpoint))
     writer = CheckpointFileWriter(output_dir=str(tmp_path))
     assert writer(summary) is summary
-    raw = CheckpointFileReader(dir=str(tmp_path), target=None).read(None)
-    assert raw["metrics"] == {"eval": {"accuracy": 0.5}}
-    assert raw["step"] == 5
+    raw = CheckpointFileReader(dir=str(tmp_path), target=None).read_newest()
+    assert raw.metrics == {"eval": {"accuracy": 0.5}}
+    assert raw.step == 5
 
 
 def _three_files(tmp_path):
@@ -126,19 +127,13 @@ def _garbage_header(path):
     ids=["truncated", "flipped-byte", "garbage-header"],
 )
 def test_damaged_newest_file_falls_back_to_previous(tmp_path, damage, reason, capsys):
-    from flax_loop import console
-
-    console._console = None
     loop, checkpoints = _three_files(tmp_path)
     damage(str(tmp_path / "regular.15.ckpt"))
-    restored = CheckpointFileReader(dir=str(tmp_path), target=None)(
-        initializer_of(checkpoints[-1].model_params, loop)
-    )
+    restored = CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
     assert restored.step == 10
     assert_trees_equal(restored.model_params, checkpoints[1].model_params)
     out = " ".join(capsys.readouterr().out.split())
     assert "regular.15.ckpt" in out and reason in out
-    console._console = None
 
 
 def test_every_file_damaged_raises_and_deletes_nothing(tmp_path):
@@ -156,9 +151,7 @@ def test_leftover_temporary_file_is_ignored_then_cleaned(tmp_path):
     loop, checkpoints = _three_files(tmp_path)
     leftover = tmp_path / ".tmp.regular.20.ckpt.0badc0de"
     leftover.write_bytes(b"half a checkpoint")
-    restored = CheckpointFileReader(dir=str(tmp_path), target=None)(
-        initializer_of(checkpoints[-1].model_params, loop)
-    )
+    restored = CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
     assert restored.step == 15
     CheckpointFileWriter(output_dir=str(tmp_path), keep=3)(checkpoints[-1])
     assert not leftover.exists()
@@ -172,9 +165,7 @@ def test_newer_format_version_is_a_clear_error(tmp_path):
         stream.seek(8)
         stream.write((_format.FORMAT_VERSION + 1).to_bytes(4, "little"))
     with pytest.raises(CheckpointVersionError, match="format version 2"):
-        CheckpointFileReader(dir=str(tmp_path), target=None)(
-            initializer_of(checkpoints[-1].model_params, loop)
-        )
+        CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
 
 
 def test_checkpoint_of_another_model_lists_the_differences(tmp_path):
@@ -183,7 +174,7 @@ def test_checkpoint_of_another_model_lists_the_differences(tmp_path):
     with pytest.raises(CheckpointMismatchError) as error:
         make_loop(init=reader, features=(32,), n_steps=20)
     message = str(error.value)
-    assert "/model_params/Dense_0/kernel: model (64, 32), file (64, 64)" in message
+    assert "/model_params/Dense_0/kernel: model float32[64, 32], file float32[64, 64]" in message
     assert "regular.15.ckpt" in message
 
 
@@ -191,19 +182,36 @@ def test_four_device_file_resumes_on_one_device(tmp_path):
     four = make_loop(n_devices=4, n_steps=10)
     writer = CheckpointFileWriter(output_dir=str(tmp_path))
     last = [writer(c) for c in four][-1]
-    one = make_loop(init=CheckpointFileReader(dir=str(tmp_path), target=MLP().init), n_steps=15)
-    assert one.step == 10 and one._placement.n_devices == 1
-    assert_trees_equal(one._state.model_params, last.model_params)
-    (checkpoint,) = list(one)
-    assert checkpoint.step == 15
+    reader = CheckpointFileReader(dir=str(tmp_path), target=MLP().init)
+    # Adam with a learning rate of 0: the same state, and a step that keeps the params.
+    one = make_loop(init=reader, optimizer=optax.adam(0.0), n_steps=15, n_devices=1)
+    assert one.step == 10 and len(one.devices) == 1
+    after = one.next_step()
+    assert after.step == 11
+    assert_trees_equal(after.model_params, last.model_params)
+    assert int(after.optimizer_state[0].count) == 11
 
 
-def test_overwrite_false_refuses_a_later_file(tmp_path):
+def test_a_fresh_run_never_deletes_a_longer_runs_files_unless_asked(tmp_path):
     loop, checkpoints = _three_files(tmp_path)
-    with pytest.raises(CheckpointError, match="overwrite=True"):
-        CheckpointFileWriter(output_dir=str(tmp_path), overwrite=False)(checkpoints[0])
-    CheckpointFileWriter(output_dir=str(tmp_path), keep=3)(checkpoints[0])
+    before = directory_bytes(tmp_path)
+    for overwrite in (None, False):  # the default, and the strict mode
+        with pytest.raises(CheckpointError) as error:
+            CheckpointFileWriter(output_dir=str(tmp_path), overwrite=overwrite)(checkpoints[0])
+        message = str(error.value)
+        assert "step 5" in message and "regular.15.ckpt of step 15" in message
+        assert "CheckpointFileReader" in message and "overwrite=True" in message
+        assert directory_bytes(tmp_path) == before
+    CheckpointFileWriter(output_dir=str(tmp_path), keep=3, overwrite=True)(checkpoints[0])
     assert files(tmp_path) == ["regular.5.ckpt"]
+
+
+def test_the_same_step_is_replaced_by_default_but_not_with_overwrite_false(tmp_path):
+    loop, checkpoints = _three_files(tmp_path)
+    with pytest.raises(CheckpointError, match="regular.15.ckpt of step 15"):
+        CheckpointFileWriter(output_dir=str(tmp_path), keep=3, overwrite=False)(checkpoints[-1])
+    CheckpointFileWriter(output_dir=str(tmp_path), keep=3)(checkpoints[-1])
+    assert files(tmp_path) == ["regular.10.ckpt", "regular.15.ckpt", "regular.5.ckpt"]
 
 
 def _summary(checkpoint, **eval_metrics):
@@ -238,7 +246,7 @@ def test_best_metric_writers_keep_the_right_file_across_a_restart(tmp_path):
         "lowest.eval.loss.10.ckpt",
         "lowest.eval.loss_sum.10.ckpt",
     ]
-    initializer = initializer_of(checkpoints[0].model_params, loop)
+    initializer = initializer_of(checkpoints[0])
     best = HighestCheckpointFileReader(dir=directory, target=None, metric="accuracy")(initializer)
     assert best.step == 10 and best.metrics["eval"]["accuracy"] == 0.7
     assert_trees_equal(best.model_params, checkpoints[1].model_params)
@@ -276,10 +284,11 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     assert_same_arrays(tmp_path / "straight.npz", tmp_path / "resumed.npz")
 
 
-def test_plain_stream_resume_says_it_continues_from_its_position(tmp_path):
+def test_plain_stream_resume_says_it_restarts_from_its_first_batch(tmp_path):
     run_worker(tmp_path, 10, "--plain-stream", devices=1)
     out = " ".join(run_worker(tmp_path, 20, "--plain-stream", devices=1).split())
-    assert out.count("continues from its current position") == 1
+    assert out.count("it has no get_state/set_state): it restarts from its first batch") == 1
+    assert "will not match one that never stopped" in out
     assert "DONE 20" in out
 
 
@@ -301,7 +310,7 @@ def test_writing_holds_at_most_one_array_beyond_the_state(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 1.25 * leaf, f"peak {peak / 2**20:.1f} MiB while writing"
-    raw = CheckpointFileReader(dir=str(tmp_path), target=None).read(None)
+    raw = CheckpointFileReader(dir=str(tmp_path), target=None).read_newest()
     np.testing.assert_array_equal(
-        raw["model_params"]["layer3"], np.full((leaf // 4,), 3.0, np.float32)
+        raw.model_params["layer3"], np.full((leaf // 4,), 3.0, np.float32)
     )

@@ -3,6 +3,8 @@
 import os
 import re
 
+from tests.helpers import file_names
+
 FLAX_EXTRA_PROGRAM = """
 import jax
 from jax import numpy as jnp
@@ -96,7 +98,7 @@ def test_flax_extra_program_runs_with_imports_changed(tmp_path):
     assert summary.step == 200
     assert summary.metrics["eval"]["lnpp"] < 0.6
     assert set(summary.metrics["train"]) >= {"loss", "seconds_per_step", "gradients_l2norm"}
-    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    names = file_names(tmp_path / "checkpoints")
     assert "regular.200.ckpt" in names
     assert any(name.startswith("lowest.eval.lnpp.") for name in names)
     assert os.listdir(tmp_path / "tensorboard")

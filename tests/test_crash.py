@@ -3,7 +3,7 @@
 A real training process writes a checkpoint every 5 steps; it is killed with
 SIGKILL at seeded random moments and restarted from its directory each time.
 At the end its parameters equal, bit for bit, those of a run never
-interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 20 to 100.
+interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 6 to 100.
 """
 
 import os
@@ -16,9 +16,9 @@ import pytest
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import TEMPORARY_PREFIX
-from tests.helpers import assert_same_arrays, directory_bytes, resume_worker, run, start
+from tests.helpers import assert_same_arrays, directory_bytes, file_names, resume_worker, run, start
 
-N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 20
+N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 6
 # A kill lands on average 0.3 s (15 steps) after start-up: enough steps that
 # the run is still going after every kill.
 N_STEPS, EVERY, KEEP, STEP_SECONDS = 30 * N_KILLS, 5, 2, 0.02
@@ -30,7 +30,7 @@ def command(directory, out=None, delay=STEP_SECONDS):
 
 
 def check_directory(directory):
-    names = os.listdir(directory) if os.path.isdir(directory) else []
+    names = file_names(directory) if os.path.isdir(directory) else []
     assert len(names) <= KEEP + 1, names
     for name in names:
         if not name.startswith(TEMPORARY_PREFIX):
@@ -116,5 +116,5 @@ def test_writer_failure_keeps_the_previous_file_and_reaches_the_user(
         assert "intact" in str(raised.value)
     monkeypatch.undo()
     assert directory_bytes(tmp_path) == before  # no temporary file left either
-    restored = CheckpointFileReader(dir=str(tmp_path), target=None).read(None)
-    assert restored["step"] == 5
+    restored = CheckpointFileReader(dir=str(tmp_path), target=None).read_newest()
+    assert restored.step == 5

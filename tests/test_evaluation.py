@@ -21,7 +21,7 @@ from flax_loop import (
     Summary,
     TrainLoop,
     TrainTask,
-    console,
+    set_console,
 )
 from flax_loop.console import SummaryLogger
 from flax_loop.errors import DataExhaustedError
@@ -33,6 +33,7 @@ from tests.helpers import (
     batches,
     cross_entropy,
     digits_split,
+    file_names,
     train,
 )
 
@@ -104,12 +105,19 @@ def test_eval_data_as_a_function_and_as_a_stream(checkpoint):
     first = whole(checkpoint).metrics["eval"]["accuracy"]
     assert whole(checkpoint).metrics["eval"]["accuracy"] == first
 
+    # A stream: each evaluation takes the next n_steps batches, exactly those.
+    def consecutive():
+        for start in range(0, 300, 50):
+            yield X_TEST[start : start + 50], Y_TEST[start : start + 50]
+
     stream = EvalLoop(
-        EvalTask(MODEL.apply, {"accuracy": accuracy}, batches(X_TEST, Y_TEST, 50)),
-        jax.random.key(1),
-        n_steps=2,
+        EvalTask(MODEL.apply, {"accuracy": accuracy}, consecutive()), jax.random.key(1), n_steps=2
     )
-    assert 0.0 < stream(checkpoint).metrics["eval"]["accuracy"] <= 1.0
+    logits = np.asarray(MODEL.apply({"params": checkpoint.model_params}, X_TEST))
+    correct = np.argmax(logits, -1) == Y_TEST
+    for start in (0, 100, 200):
+        expected = correct[start : start + 100].mean()
+        assert stream(checkpoint).metrics["eval"]["accuracy"] == pytest.approx(expected, abs=1e-6)
 
     once = EvalLoop(
         EvalTask(MODEL.apply, {"accuracy": accuracy}, iter(ragged_batches(X_TEST, Y_TEST, 100))),
@@ -207,11 +215,11 @@ def test_eval_with_dropout_rng_and_batchnorm_state():
 
 def render(processor_output_fn):
     buffer = io.StringIO()
-    console._console = Console(file=buffer, width=100, highlight=False)
+    set_console(Console(file=buffer, width=100, highlight=False))
     try:
         processor_output_fn()
     finally:
-        console._console = None
+        set_console(None)
     return buffer.getvalue()
 
 
@@ -233,7 +241,7 @@ def read_events(directory):
     from tensorboardX.proto import event_pb2
 
     scalars = {}
-    for name in os.listdir(directory):
+    for name in file_names(directory):
         with open(os.path.join(directory, name), "rb") as stream:
             data = stream.read()
         offset = 0
@@ -288,14 +296,14 @@ def test_serial_pipeline_of_every_processor(tmp_path):
         summaries = [process(checkpoint) for checkpoint in loop]
     assert [s.step for s in summaries] == [10, 20, 30]
     assert all(isinstance(s, Summary) for s in summaries)
-    assert sorted(os.listdir(tmp_path / "ckpt")) == [
+    assert file_names(tmp_path / "ckpt") == [
         "regular.10.ckpt",
         "regular.20.ckpt",
         "regular.30.ckpt",
     ]
     accuracies = [value for _, value in read_events(str(tmp_path / "tb"))["eval/accuracy"]]
     assert accuracies == pytest.approx([s.metrics["eval"]["accuracy"] for s in summaries])
-    raw = CheckpointFileReader(dir=str(tmp_path / "ckpt"), target=None).read(None)
-    assert raw["metrics"]["eval"]["accuracy"] == pytest.approx(
+    raw = CheckpointFileReader(dir=str(tmp_path / "ckpt"), target=None).read_newest()
+    assert raw.metrics["eval"]["accuracy"] == pytest.approx(
         summaries[-1].metrics["eval"]["accuracy"]
     )

@@ -27,7 +27,7 @@ from flax_loop import (
     CheckpointFileWriter,
     TrainLoop,
     TrainTask,
-    console,
+    set_console,
 )
 from flax_loop.checkpoint import _format
 from flax_loop.errors import CheckpointError
@@ -73,9 +73,9 @@ def valid(tmp_path_factory):
 @pytest.fixture(scope="module")
 def place(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fuzz")
-    console._console = Console(file=io.StringIO())
+    set_console(Console(file=io.StringIO()))
     yield str(directory)
-    console._console = None
+    set_console(None)
 
 
 @pytest.fixture(autouse=True)
@@ -90,14 +90,27 @@ def no_hang():
     signal.signal(signal.SIGALRM, previous)
 
 
-def read(directory, data, initializer):
-    """Reads `data` as the only checkpoint file; a clean read or a flax_loop error."""
-    with open(os.path.join(directory, "regular.7.ckpt"), "wb") as handle:
+def read(directory, data, initializer, step=2):
+    """Reads `data` as the only checkpoint file, named for `step`: whether it
+    was accepted (any failure must be a flax_loop `CheckpointError`)."""
+    for name in os.listdir(directory):
+        os.remove(os.path.join(directory, name))
+    with open(os.path.join(directory, f"regular.{step}.ckpt"), "wb") as handle:
         handle.write(data)
     try:
-        CheckpointFileReader(dir=directory, target=None)(initializer)
+        restored = CheckpointFileReader(dir=directory, target=None)(initializer)
     except CheckpointError:
-        pass
+        return False
+    assert restored.step == step
+    return True
+
+
+def parts(data):
+    """The arrays (bytes) and the footer (a dict) of a valid file."""
+    footer_size, _, _ = _format._TAIL.unpack(data[-_format._TAIL.size :])
+    data_end = len(data) - _format._TAIL.size - footer_size
+    footer = msgpack.unpackb(data[data_end : data_end + footer_size], raw=False)
+    return data[_format._HEAD.size : data_end], footer
 
 
 @fuzz(500)
@@ -135,6 +148,102 @@ def test_mutated_files(place, valid, mutations):
         elif kind == "delete":
             del data[where : where + value % 7 + 1]
     read(place, bytes(data), valid[1])
+
+
+def test_the_fuzz_reader_accepts_the_valid_file(place, valid):
+    assert read(place, valid[0], valid[1])
+    assert read(place, rebuild(*parts(valid[0])), valid[1])  # rebuilt: the same file
+
+
+msgpack_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**31), 2**31), st.text(max_size=8)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@fuzz(200)
+@given(
+    metrics=st.dictionaries(
+        st.text(max_size=6),
+        st.dictionaries(st.text(max_size=6), st.floats(allow_nan=False), max_size=3),
+        max_size=3,
+    ),
+    data_state=msgpack_values,
+)
+def test_valid_files_with_any_metrics_and_data_state_are_accepted(
+    place, valid, metrics, data_state
+):
+    blob, footer = parts(valid[0])
+    footer = {**footer, "metrics": metrics, "data_state": data_state}
+    assert read(place, rebuild(blob, footer), valid[1])
+
+
+def _nested(depth):
+    tree = {}
+    for _ in range(depth):
+        tree = {"a": tree}
+    return tree
+
+
+def _with_leaf(footer, value):
+    tree = json_copy(footer["tree"])
+    tree["model_params"]["Dense_0"]["kernel"] = value
+    return {**footer, "tree": tree}
+
+
+def json_copy(tree):
+    if isinstance(tree, dict):
+        return {key: json_copy(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [json_copy(value) for value in tree]
+    return tree
+
+
+def _count_as_float(footer):
+    table = [dict(entry) for entry in footer["arrays"]]
+    for entry in table:
+        if entry["dtype"] == "int32" and entry["shape"] == []:
+            entry["dtype"] = "float32"  # same bytes, same checksum: a float count
+    return {**footer, "arrays": table}
+
+
+HOSTILE = {
+    "990-deep-tree": (
+        lambda f: {**f, "tree": {**f["tree"], "model_state": _nested(990)}},
+        2,
+        "deeper than",
+    ),
+    "step-2**40": (lambda f: {**f, "step": 2**40}, 2**40, "invalid step"),
+    "leaf-is-a-string": (lambda f: _with_leaf(f, "kernel"), 2, "holds a str .*Dense_0/kernel"),
+    "leaf-is-none": (lambda f: _with_leaf(f, None), 2, "holds a NoneType .*Dense_0/kernel"),
+    "float-count": (_count_as_float, 2, "count: model int32\\[\\], file float32\\[\\]"),
+    "name-disagrees": (lambda f: f, 1000, "its name says step 1000, its contents step 2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hand_made_files_with_valid_checksums_are_refused(place, valid, name):
+    change, step, message = HOSTILE[name]
+    blob, footer = parts(valid[0])
+    for entry in os.listdir(place):
+        os.remove(os.path.join(place, entry))
+    with open(os.path.join(place, f"regular.{step}.ckpt"), "wb") as handle:
+        handle.write(rebuild(blob, change(footer)))
+    with pytest.raises(CheckpointError, match=message) as error:
+        CheckpointFileReader(dir=place, target=None)(valid[1])
+    assert type(error.value).__name__ in ("CheckpointCorruptError", "CheckpointMismatchError")
+
+
+def test_a_renamed_copy_does_not_outrank_the_real_newest_file(place, valid):
+    for entry in os.listdir(place):
+        os.remove(os.path.join(place, entry))
+    for name in ("regular.2.ckpt", "regular.1000.ckpt"):
+        with open(os.path.join(place, name), "wb") as handle:
+            handle.write(valid[0])
+    assert CheckpointFileReader(dir=place, target=None)(valid[1]).step == 2
 
 
 def rebuild(arrays_blob, footer):
@@ -224,7 +333,7 @@ def test_length_fields_larger_than_the_file_allocate_nothing(place, valid):
     try:
         for data in [rebuild(bytes(64), footer) for footer in footers] + [bogus]:
             with pytest.raises(CheckpointError):
-                path = os.path.join(place, "regular.7.ckpt")
+                path = os.path.join(place, "regular.1.ckpt")
                 with open(path, "wb") as handle:
                     handle.write(data)
                 _format.read(path)
@@ -235,7 +344,9 @@ def test_length_fields_larger_than_the_file_allocate_nothing(place, valid):
 
 
 def test_a_valid_file_still_reads(place, valid):
-    with open(os.path.join(place, "regular.7.ckpt"), "wb") as handle:
+    for entry in os.listdir(place):
+        os.remove(os.path.join(place, entry))
+    with open(os.path.join(place, "regular.2.ckpt"), "wb") as handle:
         handle.write(valid[0])
     restored = CheckpointFileReader(dir=place, target=None)(valid[1])
     assert restored.step == 2

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import start
+from tests.helpers import file_names, start
 
 TIMEOUT = 240
 
@@ -131,14 +131,14 @@ def test_eval_across_processes_with_different_example_counts(tmp_path):
 def test_resume_across_process_counts(tmp_path, first, second):
     directory = tmp_path / "checkpoints"
     succeed(first, "--n-steps", 10, "--dir", directory)
-    assert sorted(os.listdir(directory)) == ["regular.10.ckpt"]
+    assert file_names(directory) == ["regular.10.ckpt"]
     results = succeed(
         second, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "resumed.npz"
     )
     assert all("START 10" in output for _, output in results)
     succeed(1, "--n-steps", 20, "--out", tmp_path / "straight.npz")
     assert_close(params(tmp_path / "resumed.npz"), params(tmp_path / "straight.npz"), 1e-6)
-    assert sorted(os.listdir(directory)) == ["regular.20.ckpt"]
+    assert file_names(directory) == ["regular.20.ckpt"]
 
 
 def test_a_bad_batch_on_one_process_stops_every_process(tmp_path):

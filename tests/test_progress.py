@@ -6,7 +6,7 @@ import jax
 import optax
 from rich.console import Console
 
-from flax_loop import TrainLoop, TrainTask, console
+from flax_loop import TrainLoop, TrainTask, set_console
 from flax_loop.progress import ProgressReport
 from tests.helpers import MLP, batches, cross_entropy, digits_loop, digits_split
 
@@ -14,7 +14,7 @@ X_TRAIN, Y_TRAIN, _, _ = digits_split()
 
 
 def run_with_console(fake_console, **options):
-    console._console = fake_console
+    set_console(fake_console)
     try:
         model = MLP()
         loop = TrainLoop(
@@ -29,7 +29,7 @@ def run_with_console(fake_console, **options):
         )
         checkpoints = list(loop)
     finally:
-        console._console = None
+        set_console(None)
     return checkpoints
 
 
@@ -75,11 +75,11 @@ def test_report_throttles_updates(monkeypatch):
 
 def test_progress_does_not_change_results():
     def final(progress):
-        console._console = Console(file=io.StringIO())
+        set_console(Console(file=io.StringIO()))
         try:
             loop = digits_loop(optimizer=optax.sgd(0.1), n_steps=5, progress=progress)
             return list(loop)[-1].loss
         finally:
-            console._console = None
+            set_console(None)
 
     assert final(True) == final(False)

@@ -1,18 +1,20 @@
 r"""Checkpoints: the state a loop yields, its files, and their readers and writers."""
 
-from typing import Any
-
 from flax_loop.checkpoint._best import (
     HighestCheckpointFileReader,
     HighestCheckpointFileWriter,
     LowestCheckpointFileReader,
     LowestCheckpointFileWriter,
 )
-from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary
+from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile
 from flax_loop.checkpoint._reader import CheckpointFileReader
+from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
 from flax_loop.checkpoint._writer import CheckpointFileWriter
 
+# `SummaryLogger` and `SummaryWriter` are output, not checkpoints, and live in
+# `flax_loop.console` and `flax_loop.tensorboard`; `flax_loop/__init__.py`
+# also offers them here, where flax-extra programs import them from.
 __all__ = [
     "Checkpoint",
     "CheckpointFile",
@@ -24,21 +26,8 @@ __all__ = [
     "LowestCheckpointFileWriter",
     "Metrics",
     "Summary",
-    "SummaryLogger",
-    "SummaryWriter",
+    "as_summary",
+    "expect",
+    "summarize",
+    "train_statistics",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The summary processors live in their own modules (console, tensorboard),
-    # which import this package; they are offered here lazily so that
-    # `from flax_loop.checkpoint import SummaryLogger` keeps working.
-    if name == "SummaryLogger":
-        from flax_loop.console import SummaryLogger
-
-        return SummaryLogger
-    if name == "SummaryWriter":
-        from flax_loop.tensorboard import SummaryWriter
-
-        return SummaryWriter
-    raise AttributeError(f"module 'flax_loop.checkpoint' has no attribute {name!r}")

@@ -1,15 +1,18 @@
 r"""Keeping the checkpoint with the lowest or highest value of a metric."""
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
-from flax_loop import console
+import numpy as np
+
 from flax_loop.checkpoint._checkpoint import Summary, expect
-from flax_loop.checkpoint._file import CheckpointFile, quote
+from flax_loop.checkpoint._file import quote
 from flax_loop.checkpoint._reader import CheckpointFileReader
 from flax_loop.checkpoint._writer import CheckpointFileWriter
 from flax_loop.errors import ConfigError, MetricError
+from flax_loop.log import log
 
 
 def lowest_checkpoint_prefix(group_label: str, metric_label: str) -> str:
@@ -36,12 +39,28 @@ def read_metric(metrics: Any, group: str, metric: str, where: str) -> float:
             f"{where} has no metric {group}/{metric} (group {group!r} has "
             f"{sorted(values)}); pass one of those as metric."
         )
-    return float(values[metric])
+    value = values[metric]
+    if isinstance(value, (str, bytes, bool)) or np.ndim(value) != 0:
+        raise MetricError(
+            f"{where}'s metric {group}/{metric} must be one real number; got "
+            f"{value!r:.60} ({type(value).__name__}). Make the metric return a "
+            "scalar (e.g. a mean)."
+        )
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as error:
+        raise MetricError(
+            f"{where}'s metric {group}/{metric} must be one real number; got "
+            f"{value!r:.60} ({type(value).__name__})."
+        ) from error
+    return number
 
 
 class _BestCheckpointFileWriter(CheckpointFileWriter):
     _kind = ""
     _initial = math.nan
+    _better: Any
+    _reader_type: type["_BestCheckpointFileReader"]
 
     def __init__(
         self,
@@ -50,7 +69,7 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
         stdout: bool = True,
         output_dir: str | None = None,
         keep: int = 1,
-        overwrite: bool = True,
+        overwrite: bool | None = None,
         *,
         background: bool = False,
     ) -> None:
@@ -64,17 +83,15 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
         )
         self.metric = metric
         self.group = group
-        stored = CheckpointFileReader(dir=self.output_dir, target=None).read(  # type: ignore[arg-type]
-            None, prefix=self._prefix()
-        )
+        stored = self._reader_type(
+            dir=self.output_dir, target=None, metric=metric, group=group
+        ).read_newest()
         self._best_metric: float = self._initial
-        if isinstance(stored, dict):
-            self._best_metric = read_metric(
-                stored.get("metrics") or {}, group, metric, str(stored.get("path"))
-            )
-        console.log(
+        if stored is not None:
+            self._best_metric = read_metric(stored.metrics, group, metric, str(stored.path))
+        log(
             f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}."
-            if isinstance(stored, dict)
+            if stored is not None
             else f"No checkpoint of the {self._kind} {group}/{metric} yet in {self.output_dir}.",
             stdout=stdout,
         )
@@ -85,7 +102,8 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
         return self._best_metric
 
     def is_best(self, value: float) -> bool:
-        raise NotImplementedError
+        r"""Whether `value` beats the best value so far."""
+        return bool(self._better(value, self._best_metric))
 
     def __call__(self, summary: Summary) -> Summary:  # type: ignore[override]
         r"""Writes the summary if its metric is the best so far; returns it."""
@@ -100,64 +118,64 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
 class LowestCheckpointFileWriter(_BestCheckpointFileWriter):
     r"""Keeps the checkpoint with the lowest value of `metrics[group][metric]`.
 
-    >>> writer = LowestCheckpointFileWriter(output_dir="ckpts", metric="loss")
+    >>> writer = LowestCheckpointFileWriter(output_dir=str(tmp), metric="loss", stdout=False)
+    >>> writer.best_metric
+    inf
     """
 
     _kind = "lowest"
     _initial = math.inf
+    _better = staticmethod(operator.lt)
 
     def _prefix(self) -> str:
         return lowest_checkpoint_prefix(self.group, self.metric)
-
-    def is_best(self, value: float) -> bool:
-        return value < self._best_metric
 
 
 class HighestCheckpointFileWriter(_BestCheckpointFileWriter):
     r"""Keeps the checkpoint with the highest value of `metrics[group][metric]`.
 
-    >>> writer = HighestCheckpointFileWriter(output_dir="ckpts", metric="accuracy")
+    >>> writer = HighestCheckpointFileWriter(output_dir=str(tmp), metric="accuracy", stdout=False)
+    >>> writer.is_best(0.5)
+    True
     """
 
     _kind = "highest"
     _initial = -math.inf
+    _better = staticmethod(operator.gt)
 
     def _prefix(self) -> str:
         return highest_checkpoint_prefix(self.group, self.metric)
 
-    def is_best(self, value: float) -> bool:
-        return value > self._best_metric
-
 
 @dataclass
-class LowestCheckpointFileReader(CheckpointFileReader):
-    r"""Reads the checkpoint a `LowestCheckpointFileWriter` kept."""
-
+class _BestCheckpointFileReader(CheckpointFileReader):
     metric: str
     r"""a metric label."""
 
     group: str = "eval"
     r"""a group label."""
+
+
+@dataclass
+class LowestCheckpointFileReader(_BestCheckpointFileReader):
+    r"""Reads the checkpoint a `LowestCheckpointFileWriter` kept.
+
+    >>> reader = LowestCheckpointFileReader(dir=str(tmp), target=model.init, metric="loss")
+    >>> reader.read_newest() is None
+    True
+    """
 
     def _prefix(self) -> str:
         return lowest_checkpoint_prefix(self.group, self.metric)
 
-    def __call__(self, initializer: CheckpointFile) -> CheckpointFile:
-        return self.read(initializer)  # type: ignore[return-value]
-
 
 @dataclass
-class HighestCheckpointFileReader(CheckpointFileReader):
+class HighestCheckpointFileReader(_BestCheckpointFileReader):
     r"""Reads the checkpoint a `HighestCheckpointFileWriter` kept."""
-
-    metric: str
-    r"""a metric label."""
-
-    group: str = "eval"
-    r"""a group label."""
 
     def _prefix(self) -> str:
         return highest_checkpoint_prefix(self.group, self.metric)
 
-    def __call__(self, initializer: CheckpointFile) -> CheckpointFile:
-        return self.read(initializer)  # type: ignore[return-value]
+
+LowestCheckpointFileWriter._reader_type = LowestCheckpointFileReader
+HighestCheckpointFileWriter._reader_type = HighestCheckpointFileReader

@@ -21,7 +21,9 @@ class Checkpoint:
     so they stay valid after the loop moves on.
 
     >>> for checkpoint in loop:
-    ...     print(checkpoint.step, float(checkpoint.mean_loss))
+    ...     print(checkpoint.step, checkpoint.n_completed_steps, checkpoint.mean_loss > 0)
+    3 3 True
+    4 1 True
     """
 
     model_params: Any
@@ -70,7 +72,8 @@ class Summary(Checkpoint):
     r"""A checkpoint with metrics grouped by kind, e.g. `{"train": ..., "eval": ...}`.
 
     >>> summary = eval_loop(checkpoint)
-    >>> summary.metrics["eval"]["accuracy"]
+    >>> 0.0 <= summary.metrics["eval"]["accuracy"] <= 1.0
+    True
     """
 
     metrics: Mapping[str, Metrics]
@@ -80,7 +83,10 @@ class Summary(Checkpoint):
 def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
     r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed it.
 
-    >>> expect(summary, Summary, "SummaryWriter")
+    >>> expect(checkpoint, Summary, "SummaryWriter")
+    Traceback (most recent call last):
+    ...
+    flax_loop.errors.ConfigError: SummaryWriter needs a Summary (with metrics), ...
     """
     if not isinstance(value, kind):
         wanted = (

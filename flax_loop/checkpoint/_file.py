@@ -25,8 +25,9 @@ REGULAR_PREFIX = "regular."
 class CheckpointFile:
     r"""What a checkpoint file holds: the state to resume from and its metrics.
 
-    >>> file = CheckpointFileReader(dir="ckpts", target=model.init)(initializer)
-    >>> file.step, file.metrics.get("eval", {})
+    >>> file = CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init).read_newest()
+    >>> file is None    # the directory holds no checkpoint yet
+    True
     """
 
     model_params: Any
@@ -52,6 +53,9 @@ class CheckpointFile:
 
     data_state: Any = field(default=None, repr=False)
     r"""the data iterator's `get_state()`, restored with `set_state` on resume."""
+
+    path: str | None = field(default=None, compare=False)
+    r"""the file it was read from (`None` for one not read from a file)."""
 
 
 def quote(name: str) -> str:
@@ -105,7 +109,7 @@ def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) 
     Returns:
         the path written.
     """
-    _ensure_directory(directory)
+    ensure_directory(directory)
     tree = {
         "model_params": serialization.to_state_dict(file.model_params),
         "model_state": serialization.to_state_dict(file.model_state),
@@ -121,8 +125,7 @@ def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) 
         meta["rnkey"] = {"impl": impl, "data": data.tolist()}
     final = os.path.join(directory, file_name(prefix, int(file.step)))
     temporary = os.path.join(
-        directory,
-        f"{TEMPORARY_PREFIX}{file_name(prefix, int(file.step))}.{secrets.token_hex(4)}",
+        directory, f"{TEMPORARY_PREFIX}{file_name(prefix, int(file.step))}.{secrets.token_hex(4)}"
     )
     try:
         with open(temporary, "wb") as stream:
@@ -165,7 +168,11 @@ def restore_key(meta: dict[str, Any], path: str) -> jax.Array | None:
 
 
 def clean_temporary(directory: str, prefix: str) -> None:
-    r"""Removes temporary files that an interrupted write of `prefix` left."""
+    r"""Removes temporary files that an interrupted write of `prefix` left.
+
+    Only a writer that holds the directory's lock for `prefix` calls this:
+    no other live writer then writes such files.
+    """
     try:
         names = os.listdir(directory)
     except OSError:
@@ -178,7 +185,7 @@ def clean_temporary(directory: str, prefix: str) -> None:
             remove_quietly(os.path.join(directory, name))
 
 
-def _ensure_directory(directory: str) -> None:
+def ensure_directory(directory: str) -> None:
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(
             f"The checkpoint directory {directory!r} is a file; give a directory path."

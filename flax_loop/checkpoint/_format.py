@@ -36,6 +36,10 @@ _HEAD = struct.Struct("<8sI")
 _TAIL = struct.Struct("<QI8s")
 _ARRAY_REF = 1
 _CHUNK = 8 << 20
+MAX_DEPTH = 64
+r"""The deepest nesting a file's tree or metadata may have (real states nest < 20)."""
+MAX_STEP = 2**31 - 1
+r"""The largest step a file may hold: the loop counts steps in an int32."""
 
 
 class _Checksums:
@@ -48,9 +52,11 @@ class _Checksums:
     interpreter exits, when executors no longer accept work.
 
     >>> with _Checksums() as checksums:
-    ...     for chunk in chunks:
-    ...         checksums.add(chunk)
+    ...     for chunk in (b"flax", b"_loop"):
+    ...         checksums.add(memoryview(chunk))
     ...     crc = checksums.result()    # of the chunks added since the last result
+    >>> crc == zlib.crc32(b"flax_loop")
+    True
     """
 
     _END = object()
@@ -228,6 +234,7 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
         if zlib.crc32(footer_bytes) != footer_crc:
             raise CheckpointCorruptError(f"{path} is damaged: footer checksum mismatch.")
         footer = _unpack_footer(path, footer_bytes)
+        _check_depth(path, footer)
         if footer.get("format") != FORMAT_NAME or footer.get("version") != version:
             raise CheckpointCorruptError(
                 f"{path} has an inconsistent header: format {footer.get('format')!r} "
@@ -252,8 +259,10 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
 
 def _check_meta(path: str, meta: dict[str, Any]) -> None:
     step, metrics, key = meta.get("step"), meta.get("metrics", {}), meta.get("rnkey")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointCorruptError(f"{path} is damaged: invalid step {step!r}.")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise CheckpointCorruptError(
+            f"{path} is damaged: invalid step {step!r:.40} (an integer from 0 to {MAX_STEP})."
+        )
     if not isinstance(metrics, dict) or not all(
         isinstance(group, dict) for group in metrics.values()
     ):
@@ -265,6 +274,21 @@ def _check_meta(path: str, meta: dict[str, Any]) -> None:
         and all(isinstance(n, int) and 0 <= n < 2**32 for n in key["data"])
     ):
         raise CheckpointCorruptError(f"{path} is damaged: invalid key {key!r}.")
+
+
+def _check_depth(path: str, footer: Any) -> None:
+    r"""Rejects a footer nested deeper than `MAX_DEPTH`, without recursion."""
+    stack = [(footer, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CheckpointCorruptError(
+                f"{path} is damaged: its metadata nests deeper than {MAX_DEPTH} levels."
+            )
+        if isinstance(value, dict):
+            stack.extend((child, depth + 1) for child in value.values())
+        elif isinstance(value, list):
+            stack.extend((child, depth + 1) for child in value)
 
 
 def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:

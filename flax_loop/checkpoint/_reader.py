@@ -1,14 +1,11 @@
 r"""Reading the newest intact checkpoint file of a directory."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 from flax import serialization
 
-from flax_loop import console
 from flax_loop.checkpoint._file import (
     REGULAR_PREFIX,
     CheckpointFile,
@@ -22,140 +19,199 @@ from flax_loop.errors import (
     CheckpointMismatchError,
     ConfigError,
 )
+from flax_loop.log import log
 
-_PARTS = ("model_params", "model_state", "optimizer_state")
+STATE_PARTS = ("model_params", "model_state", "optimizer_state")
+r"""The parts of a checkpoint file that hold the training state."""
 
 
 @dataclass
 class CheckpointFileReader:
     r"""A reader of the newest intact checkpoint file in a directory.
 
-    >>> loop = TrainLoop(init=CheckpointFileReader(dir="ckpts", target=model.init),
-    ...                  task=task, rnkey=jax.random.key(0), n_steps=1000)
+    >>> loop = TrainLoop(init=CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init),
+    ...                  task=task, rnkey=jax.random.key(0), n_steps=4, stdout=False)
+    >>> loop.step     # an empty directory: training starts at step 0
+    0
 
-    A damaged file is skipped, with a message naming it and why, and the
-    next newest is read. If files exist but none is intact, the reader
-    raises rather than start afresh.
+    A damaged file (checksum, format) is skipped, with a message naming it
+    and why, and the next newest is read; if files exist but none is intact,
+    the reader raises rather than start afresh. A file that cannot be read
+    at all (permissions, an I/O error) is an error, not damage: the reader
+    never silently resumes from an older file.
     """
 
     dir: str
     r"""a directory path for checkpoint files."""
 
-    target: Callable[..., Any]
+    target: Any
     r"""the init function of the model the checkpoint belongs to; a loop uses it
     to initialize the model when the directory holds no checkpoint."""
 
     def __call__(self, initializer: CheckpointFile) -> CheckpointFile:
-        r"""Reads the newest intact checkpoint file.
-
-        Args:
-            initializer: the state at step 0, giving the expected tree and shapes.
-
-        Returns:
-            the file's contents in the initializer's structure, or the
-            initializer itself when the directory holds no checkpoint.
-
-        Raises:
-            CheckpointCorruptError: if files exist but none is intact.
-            CheckpointMismatchError: if the file holds another model.
-            CheckpointVersionError: if the file has a newer format.
-        """
-        return self.read(initializer)  # type: ignore[return-value]
+        r"""The newest file restored into `initializer`'s structure, or
+        `initializer` itself when the directory holds no checkpoint."""
+        restored = self.restore(initializer)
+        return initializer if restored is None else restored
 
     def _prefix(self) -> str:
         return REGULAR_PREFIX
 
-    def read(
-        self, initializer: CheckpointFile | None, prefix: str | None = None
-    ) -> CheckpointFile | dict[str, Any] | None:
-        r"""Reads the newest intact file with `prefix`.
+    def read_newest(self) -> CheckpointFile | None:
+        r"""The newest intact file as stored (nested dicts of numpy arrays).
 
-        Without an initializer, returns the file's raw contents as a dict
-        (or `None` when there is no file).
+        Returns:
+            the file, or `None` when the directory holds no checkpoint.
+
+        Raises:
+            CheckpointCorruptError: if files exist but none is intact.
+            CheckpointError: if the newest file cannot be read.
+            CheckpointVersionError: if the file has a newer format.
         """
-        if initializer is not None and not isinstance(initializer, CheckpointFile):
-            raise ConfigError(
-                f"Cannot restore a checkpoint from {self.dir!r}: the initializer "
-                f"must be a CheckpointFile or None; got {type(initializer).__name__}."
-            )
-        found = self._read_newest(prefix or self._prefix())
-        if found is None:
-            return initializer
-        path, tree, meta = found
-        if initializer is None:
-            return {**tree, **meta, "path": path}
-        return _restore(path, tree, meta, initializer)
-
-    def _read_newest(self, prefix: str) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
-        candidates = list_steps(self.dir, prefix)
         problems = []
-        for _, path in candidates:
+        for step, path in list_steps(self.dir, self._prefix()):
             try:
                 tree, meta = load(path)
+                if meta["step"] != step:
+                    raise CheckpointCorruptError(
+                        f"{path} is damaged or renamed: its name says step {step}, "
+                        f"its contents step {meta['step']}."
+                    )
             except CheckpointCorruptError as error:
-                problems.append(str(error))
-                console.log(f"[yellow]Skipped a damaged checkpoint:[/yellow] {error}")
+                problems.append(str(error).rstrip("."))
+                log(f"[yellow]Skipped a damaged checkpoint:[/yellow] {error}")
                 continue
+            except CheckpointError:
+                raise
             except OSError as error:
-                if isinstance(error, CheckpointError):
-                    raise
-                problems.append(f"{path}: {error}")
-                continue
-            return path, tree, meta
-        if candidates:
-            reasons = "; ".join(problem.rstrip(".") for problem in problems)
+                raise CheckpointError(
+                    f"{path} cannot be read: {error}. It was not skipped, so that "
+                    "training does not silently resume from an older file: fix the "
+                    "file's permissions or disk, or move it away."
+                ) from error
+            return CheckpointFile(
+                model_params=tree.get("model_params"),
+                model_state=tree.get("model_state"),
+                optimizer_state=tree.get("optimizer_state"),
+                step=int(meta["step"]),
+                metrics=meta.get("metrics") or {},
+                version=int(meta.get("version", 0)),
+                rnkey=restore_key(meta, path),
+                data_state=meta.get("data_state"),
+                path=path,
+            )
+        if problems:
             raise CheckpointCorruptError(
                 f"Every checkpoint file in {self.dir!r} is damaged, so none was "
-                f"loaded and none was removed ({reasons}). Move them "
+                f"loaded and none was removed ({'; '.join(problems)}). Move them "
                 "away to start afresh."
             )
         return None
 
+    def restore(self, template: CheckpointFile) -> CheckpointFile | None:
+        r"""The newest file restored into `template`'s structure and dtypes.
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
-    if isinstance(tree, dict):
-        flat: dict[str, tuple[int, ...]] = {}
+        Args:
+            template: the state at step 0 (arrays, or `jax.ShapeDtypeStruct`s),
+                giving the expected tree, shapes and dtypes.
+
+        Returns:
+            the file's state in the template's structure (numpy leaves), or
+            `None` when the directory holds no checkpoint.
+
+        Raises:
+            CheckpointMismatchError: if the file holds another model or
+                optimizer (paths, shapes or dtypes differ).
+            CheckpointCorruptError, CheckpointError, CheckpointVersionError:
+                as `read_newest`.
+        """
+        if not isinstance(template, CheckpointFile):
+            raise ConfigError(
+                f"Cannot restore a checkpoint from {self.dir!r}: the template must "
+                f"be a CheckpointFile; got {type(template).__name__}."
+            )
+        file = self.read_newest()
+        return None if file is None else restore_into(file, template)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    r"""`{path: leaf}` of nested dicts (as state dicts and files hold them)."""
+    if isinstance(tree, dict) and tree:
+        flat: dict[str, Any] = {}
         for key, value in tree.items():
             flat.update(_flatten(value, f"{prefix}/{key}"))
         return flat
-    return {prefix or "/": tuple(np.shape(tree))}
+    return {prefix or "/": tree}
 
 
-def _restore(
-    path: str, tree: dict[str, Any], meta: dict[str, Any], initializer: CheckpointFile
-) -> CheckpointFile:
-    expected = {part: serialization.to_state_dict(getattr(initializer, part)) for part in _PARTS}
-    want = _flatten(expected)
-    have = _flatten({part: tree.get(part, {}) for part in _PARTS})
-    if want != have:
-        lines = []
-        for name in sorted(set(want) | set(have)):
-            if want.get(name) != have.get(name):
-                lines.append(
-                    f"{name}: model {want.get(name, 'absent')}, file {have.get(name, 'absent')}"
-                )
-        shown = "; ".join(lines[:12]) + (f"; and {len(lines) - 12} more" if len(lines) > 12 else "")
+def _describe(leaf: Any) -> str:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+    if leaf is _ABSENT:
+        return "absent"
+    return "empty" if leaf == {} else type(leaf).__name__
+
+
+_ABSENT = object()
+
+
+def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFile:
+    r"""A file's state restored into a template's structure.
+
+    Paths, shapes and dtypes must agree exactly: a float32 file is not cast
+    into a bfloat16 model, and a file of another optimizer is not forced
+    into this one's state.
+
+    Raises:
+        CheckpointCorruptError: if the file holds a non-array where an
+            array belongs.
+        CheckpointMismatchError: naming the file and the paths that differ.
+    """
+    path = file.path or "the checkpoint"
+    want = _flatten(
+        {part: serialization.to_state_dict(getattr(template, part)) for part in STATE_PARTS}
+    )
+    have = _flatten({part: getattr(file, part) for part in STATE_PARTS})
+    for name, leaf in have.items():
+        if name in want and hasattr(want[name], "shape") and not isinstance(leaf, np.ndarray):
+            raise CheckpointCorruptError(
+                f"{path} is damaged: it holds a {type(leaf).__name__} ({leaf!r:.40}) at "
+                f"{name}, where an array belongs."
+            )
+    described = {
+        name: (_describe(want.get(name, _ABSENT)), _describe(have.get(name, _ABSENT)))
+        for name in sorted(set(want) | set(have))
+    }
+    differences = [
+        f"{name}: model {model}, file {stored}"
+        for name, (model, stored) in described.items()
+        if model != stored
+    ]
+    if differences:
+        shown = "; ".join(differences[:12])
+        more = f"; and {len(differences) - 12} more" if len(differences) > 12 else ""
         raise CheckpointMismatchError(
-            f"{path} holds another model: {len(lines)} paths differ ({shown}). "
-            "Point the reader at this model's checkpoint directory."
+            f"{path} holds another model or optimizer: {len(differences)} paths differ "
+            f"({shown}{more}). Point the reader at this model's checkpoint directory, "
+            "or train with the model, optimizer and dtypes that wrote it."
         )
 
     def restored(part: str) -> Any:
-        target = getattr(initializer, part)
-        cast = jax.tree.map(
-            lambda t, v: np.asarray(v, dtype=t.dtype) if hasattr(t, "dtype") else v,
-            serialization.to_state_dict(target),
-            tree[part],
-        )
-        return serialization.from_state_dict(target, cast)
+        try:
+            return serialization.from_state_dict(getattr(template, part), getattr(file, part))
+        except (ValueError, TypeError, KeyError) as error:
+            raise CheckpointMismatchError(
+                f"{path} does not fit this model's {part}: {error}."
+            ) from error
 
     return CheckpointFile(
         model_params=restored("model_params"),
         model_state=restored("model_state"),
         optimizer_state=restored("optimizer_state"),
-        step=int(meta.get("step", 0)),
-        metrics=meta.get("metrics") or {},
-        version=int(meta.get("version", 0)),
-        rnkey=restore_key(meta, path),
-        data_state=meta.get("data_state"),
+        step=file.step,
+        metrics=file.metrics,
+        version=file.version,
+        rnkey=file.rnkey,
+        data_state=file.data_state,
+        path=file.path,
     )

@@ -1,37 +1,49 @@
 r"""Writing checkpoints to files, keeping the newest `keep` of them."""
 
 import atexit
+import copy
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from flax_loop import console
 from flax_loop.checkpoint import _file
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._file import REGULAR_PREFIX, CheckpointFile
-from flax_loop.errors import CheckpointError, ConfigError
+from flax_loop.checkpoint._lock import DirectoryLock
+from flax_loop.errors import CheckpointError, ConfigError, check_count
+from flax_loop.log import is_main_process, log
 from flax_loop.parallel import to_host
+
+EXIT_CODE_WRITE_FAILED = 75
+r"""The exit status of a process whose last background write failed at exit."""
 
 
 @dataclass
 class CheckpointFileWriter:
     r"""A writer of checkpoint files; returns what it is given, so it chains.
 
-    >>> writer = CheckpointFileWriter(output_dir="ckpts", keep=2)
+    >>> writer = CheckpointFileWriter(output_dir=str(tmp / "ckpts"), keep=2)
     >>> for checkpoint in loop:
-    ...     writer(checkpoint)
+    ...     _ = writer(checkpoint)
+    >>> sorted(name for name in os.listdir(tmp / "ckpts") if name.endswith(".ckpt"))
+    ['regular.3.ckpt', 'regular.4.ckpt']
+    >>> writer.close()
 
     Writes are atomic (a crash leaves the previous files intact); older files
-    beyond `keep` are removed only once the new one is in place. With several
-    processes, process 0 writes.
+    beyond `keep` are removed only once the new one is in place. While open,
+    a writer holds a lock on its kind of files in the directory, so that two
+    runs cannot delete each other's files. With several processes, process
+    0 writes.
 
     With `background=True` the caller waits only for the state's copy to host
     memory; serialization, checksums and the file write run on a worker
     thread. A failed write raises at the next write, at `wait()` or at
-    `close()`; pending writes finish before the interpreter exits.
+    `close()`; pending writes finish before the interpreter exits, and if
+    one fails then, the process exits with status 75, never 0.
     """
 
     output_dir: str
@@ -40,21 +52,24 @@ class CheckpointFileWriter:
     keep: int = 1
     r"""the number of newest checkpoint files to keep."""
 
-    overwrite: bool = True
-    r"""whether a checkpoint may replace files of the same or a later step
-    (left by an earlier run); if not, such a file is an error."""
+    overwrite: bool | None = None
+    r"""what to do with files of the same or a later step, left by an earlier
+    run: by default (`None`) a file of the same step is replaced and a later
+    one is an error (a fresh run never deletes a longer run's files); `True`
+    replaces and deletes them; `False` makes any of them an error."""
 
     background: bool = field(default=False, kw_only=True)
     r"""whether to write files on a worker thread, off the training loop's path."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"keep must be an integer >= 1; got {self.keep!r}.")
+        check_count("keep", self.keep, 1)
         if not isinstance(self.output_dir, (str, os.PathLike)):
             raise ConfigError(f"output_dir must be a path; got {type(self.output_dir).__name__}.")
+        if self.overwrite not in (None, True, False):
+            raise ConfigError(f"overwrite must be None, True or False; got {self.overwrite!r}.")
         self.output_dir = os.fspath(self.output_dir)
-        self._cleaned = False
-        self._lock = threading.Lock()
+        self._locks: dict[str, DirectoryLock] = {}
+        self._mutex = threading.Lock()
         self._pending: Future[str] | None = None
         self._executor: ThreadPoolExecutor | None = None
 
@@ -73,24 +88,18 @@ class CheckpointFileWriter:
         Raises:
             ConfigError: if `checkpoint` is not a `Checkpoint` or `Summary`.
             CheckpointError: if the file cannot be written (in the background:
-                if the previous write failed); the files already in the
-                directory are left intact.
+                if the previous write failed), if a later step's file is in
+                the way, or if another writer holds the directory; the files
+                already in the directory are left intact.
         """
         expect(checkpoint, Checkpoint, type(self).__name__)
-        if not console.is_main_process():
+        if not is_main_process():
             return checkpoint
         self.wait()  # one write at a time: never race the previous one
         prefix = prefix or self._prefix()
-        if not self._cleaned:
-            _file.clean_temporary(self.output_dir, prefix)
-            self._cleaned = True
-        existing = _file.list_steps(self.output_dir, prefix)
-        later = [path for step, path in existing if step >= checkpoint.step]
-        if later and not self.overwrite:
-            raise CheckpointError(
-                f"{later[0]} is at step {checkpoint.step} or later; pass "
-                "overwrite=True to replace it, or write to another output_dir."
-            )
+        self._check_later_files(prefix, int(checkpoint.step))  # before locking: a refusal
+        self._lock(prefix)  # leaves the directory free
+        self._check_later_files(prefix, int(checkpoint.step))  # now that no one else writes
         file = to_file(checkpoint)
         if not self.background:
             self._save(prefix, file)
@@ -98,27 +107,52 @@ class CheckpointFileWriter:
         host = _to_host_memory(file)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="flax_loop-writer")
-            _pending_writers.add(self)
-        with self._lock:
+            _open_writers.add(self)
+        with self._mutex:
             self._pending = self._executor.submit(self._save, prefix, host)
         return checkpoint
 
+    def _lock(self, prefix: str) -> None:
+        if prefix not in self._locks:
+            _file.ensure_directory(self.output_dir)
+            lock = DirectoryLock(self.output_dir, prefix)
+            lock.acquire()
+            self._locks[prefix] = lock
+            _file.clean_temporary(self.output_dir, prefix)
+
+    def _check_later_files(self, prefix: str, step: int) -> None:
+        existing = _file.list_steps(self.output_dir, prefix)
+        in_the_way = [
+            (s, path) for s, path in existing if s > step or (s == step and self.overwrite is False)
+        ]
+        if in_the_way and self.overwrite is not True:
+            later_step, later = in_the_way[0]
+            raise CheckpointError(
+                f"Cannot write step {step} to {self.output_dir!r}: it holds {later} of "
+                f"step {later_step}, which this writer would replace or delete. Resume "
+                "from it (init=CheckpointFileReader(dir=...)), write to another "
+                "output_dir, or pass overwrite=True to replace it."
+            )
+
     def wait(self) -> None:
         r"""Waits for a background write in progress; raises if it failed."""
-        with self._lock:
+        with self._mutex:
             pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
     def close(self) -> None:
-        r"""Finishes pending writes and stops the worker thread."""
+        r"""Finishes pending writes, stops the worker thread and releases the directory."""
         try:
             self.wait()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-                _pending_writers.discard(self)
+            _open_writers.discard(self)
+            for lock in self._locks.values():
+                lock.release()
+            self._locks = {}
 
     def __enter__(self) -> "CheckpointFileWriter":
         return self
@@ -144,9 +178,9 @@ class CheckpointFileWriter:
 
     def _prune(self, prefix: str, written: str, step: int) -> None:
         newest_first = _file.list_steps(self.output_dir, prefix)
-        stale = [path for s, path in newest_first if s > step]
+        later = [path for s, path in newest_first if s > step]  # only with overwrite=True
         kept = [path for s, path in newest_first if s <= step]
-        for path in stale + kept[self.keep :]:
+        for path in later + kept[self.keep :]:
             if path != written:
                 _file.remove_quietly(path)
 
@@ -166,8 +200,8 @@ def to_file(checkpoint: Checkpoint) -> CheckpointFile:
 
 
 def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
-    r"""The file's arrays copied to host memory (numpy), ready for a thread."""
-
+    r"""A copy of the file that nothing else changes: arrays in host memory,
+    metadata deep-copied, ready for a worker thread."""
     params, model_state, optimizer_state = to_host(
         (file.model_params, file.model_state, file.optimizer_state)
     )
@@ -176,19 +210,26 @@ def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
         model_state=model_state,
         optimizer_state=optimizer_state,
         step=file.step,
-        metrics=file.metrics,
+        metrics=copy.deepcopy(file.metrics),
         rnkey=file.rnkey,
-        data_state=file.data_state,
+        data_state=copy.deepcopy(file.data_state),
     )
 
 
-_pending_writers: "weakref.WeakSet[CheckpointFileWriter]" = weakref.WeakSet()
+_open_writers: "weakref.WeakSet[CheckpointFileWriter]" = weakref.WeakSet()
 
 
 @atexit.register
 def _finish_pending_writes() -> None:
-    for writer in list(_pending_writers):
+    failed = False
+    for writer in list(_open_writers):
         try:
             writer.close()
         except Exception as error:  # at exit, report rather than lose it
-            console.log(f"[red]A background checkpoint write failed:[/red] {error}")
+            failed = True
+            log(f"[red]A background checkpoint write failed at exit:[/red] {error}")
+    if failed:
+        # A scheduler must not record success when the last file is missing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CODE_WRITE_FAILED)

@@ -1,0 +1,91 @@
+r"""One writer per kind of checkpoint file in a directory, across processes.
+
+Two runs writing the same files into one directory delete each other's
+newer files. A writer therefore holds an advisory lock (`fcntl.flock`) on a
+lock file per file prefix while it is open; a second writer waits briefly
+(a restarted job's old process may be finishing its last write), then
+raises naming the holder. The lock is released when the writer closes, or
+by the operating system when its process ends, however it ends.
+"""
+
+import fcntl
+import os
+import socket
+import time
+from typing import IO
+
+from flax_loop.errors import CheckpointError
+
+LOCK_PREFIX = ".lock."
+WAIT_SECONDS = 10.0
+r"""How long a writer waits for another writer of the same files to finish."""
+
+
+def lock_path(directory: str, prefix: str) -> str:
+    r"""The lock file of the checkpoint files `prefix*` in `directory`."""
+    return os.path.join(directory, f"{LOCK_PREFIX}{prefix}lock")
+
+
+class DirectoryLock:
+    r"""An exclusive lock on a directory's checkpoint files of one prefix.
+
+    >>> lock = DirectoryLock(str(tmp), "regular.")
+    >>> lock.acquire()
+    >>> DirectoryLock(str(tmp), "regular.").acquire(wait_seconds=0)
+    Traceback (most recent call last):
+    ...
+    flax_loop.errors.CheckpointError: Another checkpoint writer is writing ...
+    >>> lock.release()
+    """
+
+    def __init__(self, directory: str, prefix: str) -> None:
+        self.path = lock_path(directory, prefix)
+        self._file: IO[str] | None = None
+
+    @property
+    def held(self) -> bool:
+        r"""whether this object holds the lock."""
+        return self._file is not None
+
+    def acquire(self, wait_seconds: float | None = None) -> None:
+        r"""Takes the lock, waiting up to `wait_seconds` (`WAIT_SECONDS` by default).
+
+        Raises:
+            CheckpointError: naming the holder (host and process id) if the
+                lock stays taken.
+        """
+        if self._file is not None:
+            return
+        deadline = time.monotonic() + (WAIT_SECONDS if wait_seconds is None else wait_seconds)
+        try:
+            file = open(self.path, "a+")
+        except OSError as error:
+            raise CheckpointError(f"Cannot create the lock file {self.path!r}: {error}.") from error
+        while True:
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    file.seek(0)
+                    holder = file.read().strip() or "unknown"
+                    file.close()
+                    raise CheckpointError(
+                        f"Another checkpoint writer is writing the same files in "
+                        f"{os.path.dirname(self.path)!r} ({holder}; lock file "
+                        f"{self.path}). Two runs sharing a directory delete each other's "
+                        "files: give this run another output_dir, or stop the other "
+                        "writer (close() it, or end its process) first."
+                    ) from None
+                time.sleep(0.05)
+        file.seek(0)
+        file.truncate()
+        file.write(f"host {socket.gethostname()}, process id {os.getpid()}\n")
+        file.flush()
+        self._file = file
+
+    def release(self) -> None:
+        r"""Releases the lock (closing the file releases it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

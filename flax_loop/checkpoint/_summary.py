@@ -1,0 +1,65 @@
+r"""A checkpoint's training statistics, and summaries built from them."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
+from flax_loop.parallel import to_host
+
+
+def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
+    r"""Training statistics of a checkpoint's interval, as plain floats.
+
+    `loss` is the mean over the interval, `last_loss` the last step's; the
+    L2 norms are global norms over every leaf.
+
+    >>> sorted(train_statistics(checkpoint))  # doctest: +NORMALIZE_WHITESPACE
+    ['gradients_l2norm', 'last_loss', 'loss', 'seconds_per_step',
+     'steps_per_second', 'weights_l2norm']
+    """
+    n_steps = max(int(checkpoint.n_completed_steps), 1)
+    elapsed = float(checkpoint.elapsed_time)
+    mean_loss = checkpoint.mean_loss if checkpoint.mean_loss is not None else checkpoint.loss
+    grads_norm, weights_norm = to_host(_global_norms(checkpoint.grads, checkpoint.model_params))
+    return {
+        "loss": float(mean_loss),
+        "last_loss": float(checkpoint.loss),
+        "seconds_per_step": elapsed / n_steps,
+        "steps_per_second": n_steps / elapsed if elapsed > 0 else float("inf"),
+        "gradients_l2norm": float(grads_norm),
+        "weights_l2norm": float(weights_norm),
+    }
+
+
+@jax.jit
+def _global_norms(grads: Any, params: Any) -> tuple[jax.Array, jax.Array]:
+    return optax.tree.norm(grads), optax.tree.norm(params)
+
+
+def summarize(checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]) -> Summary:
+    r"""A summary of `checkpoint` with `metrics` under `group`.
+
+    A summary given in is extended: its groups are kept and `group` is
+    merged; a plain checkpoint gets its `"train"` statistics first.
+
+    >>> summary = summarize(checkpoint, "eval", {"accuracy": 0.5})
+    >>> list(summary.metrics)
+    ['train', 'eval']
+    """
+    groups = {name: dict(values) for name, values in getattr(checkpoint, "metrics", {}).items()}
+    if "train" not in groups:
+        groups["train"] = train_statistics(checkpoint)
+    groups[group] = {**groups.get(group, {}), **metrics}
+    fields = {k: v for k, v in vars(checkpoint).items() if k != "metrics"}
+    return Summary(metrics=groups, **fields)
+
+
+def as_summary(checkpoint: Checkpoint) -> Summary:
+    r"""A summary as it is, or a plain checkpoint's training statistics as one."""
+    if isinstance(checkpoint, Summary):
+        return checkpoint
+    fields = dict(vars(checkpoint))
+    return Summary(metrics={"train": train_statistics(checkpoint)}, **fields)

@@ -1,0 +1,274 @@
+r"""The batch feed: reads ahead, validates, stacks and places training batches.
+
+The loop asks the feed for the next dispatch; the feed answers with a batch
+ready for the compiled step, how many steps it holds, and whether it is the
+last of the interval (the last step also returns its gradients). To know
+that, it reads one batch ahead, except at an interval's planned end, so
+that a checkpoint's data state is the state after its last trained batch.
+
+A re-iterable source (a list, a `DataLoader`, a grain dataset: anything
+whose `iter()` gives a fresh iterator) is read epoch after epoch; a one-shot
+iterator ends training when it ends.
+
+>>> feed = BatchFeed([(np.zeros((8, 3)), np.zeros(8))] * 2, Placement(), steps_per_dispatch=1)
+>>> dispatch = feed.take(remaining=10, stopping=False, next_step=1)
+>>> dispatch.n_steps, dispatch.last
+(1, False)
+"""
+
+import copy
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from flax_loop import distributed
+from flax_loop.batch import Batch, BatchSpec, normalize_batch
+from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
+from flax_loop.log import log
+from flax_loop.parallel import Placement
+
+PER_PROCESS = "flax_loop/per_process"
+r"""The key of a data state saved by several processes, one per process."""
+
+EPOCH = "flax_loop/epoch"
+r"""The key of a re-iterable source's data state: the epoch, and the position in it."""
+
+
+class Dispatch(NamedTuple):
+    r"""What the loop dispatches next."""
+
+    batch: Any
+    r"""one batch, or `n_steps` stacked, placed as the compiled step takes them."""
+
+    n_steps: int
+    r"""the number of steps the batch holds."""
+
+    last: bool
+    r"""whether it ends the interval (its step returns the gradients)."""
+
+
+class BatchFeed:
+    r"""Batches of a data source, ready for the compiled steps.
+
+    Args:
+        data: the task's data: an iterator, or an iterable read epoch after epoch.
+        placement: the devices the batches go to.
+        steps_per_dispatch: how many batches to stack for one dispatch.
+
+    Raises:
+        ConfigError: if `data` cannot be iterated.
+        DataExhaustedError: if it yields no batch.
+        BatchError: if the first batch has the wrong form or size.
+    """
+
+    def __init__(self, data: Any, placement: Placement, steps_per_dispatch: int) -> None:
+        try:
+            iterator = iter(data)
+        except TypeError as error:
+            raise ConfigError(
+                f"task.data must be an iterator or iterable of batches; got {type(data).__name__}."
+            ) from error
+        self._source: Iterable[Any] | None = None if iterator is data else data
+        self._iterator: Iterator[Any] = iterator
+        self._epoch = 0
+        self._position = 0  # batches read in this epoch
+        self._placement = placement
+        # On one process a batch goes to the step as it is (numpy is copied to
+        # the devices by the call itself); several processes assemble theirs.
+        self._place = placement.shard_batch if placement.multiprocess else _as_is
+        self._many = steps_per_dispatch
+        self._ahead: deque[Batch] = deque()
+        self.exhausted = False
+        first = self._read(for_step=1)
+        if first is None:
+            raise DataExhaustedError(
+                "task.data yielded no batch: the data stream is empty. Give it "
+                "at least one batch (check the data set's size and batch size)."
+            )
+        self.spec = BatchSpec.of(first)
+        self.spec.check_batch_axis(placement.n_local_devices)
+        distributed.agree("the process-local batch size", self.spec.batch_size)
+        self.sample = first
+        self._ahead.append(first)
+
+    @property
+    def repeats(self) -> bool:
+        r"""whether the source is read epoch after epoch."""
+        return self._source is not None
+
+    def samples(self) -> tuple[Any, Any | None]:
+        r"""A placed batch, and `steps_per_dispatch` of them stacked (or `None`),
+        to compile the steps with."""
+        stacked = None
+        if self._many > 1:
+            stacked = self._placement.shard_batch(_stack([self.sample] * self._many), stacked=True)
+        return self._placement.shard_batch(self.sample), stacked
+
+    def take(self, remaining: int, stopping: bool, next_step: int) -> Dispatch | None:
+        r"""The next dispatch of an interval with `remaining` steps to go.
+
+        Args:
+            remaining: steps until the interval's planned end (>= 1).
+            stopping: whether a stop was requested: the batch already read
+                ahead, if any, is trained on as the interval's last; no more
+                is read.
+            next_step: the number of the next step, to name in messages.
+
+        Returns:
+            the dispatch, or `None` if there is no batch (the stream ended,
+            or a stop was requested with nothing read ahead).
+        """
+        if not stopping:
+            if self._many > 1 and remaining > self._many:
+                self._fill(self._many + 1, next_step)
+                if len(self._ahead) > self._many:
+                    group = [self._ahead.popleft() for _ in range(self._many)]
+                    stacked = self._placement.shard_batch(_stack(group), stacked=True)
+                    return Dispatch(stacked, self._many, False)
+            # At the planned end nothing is read ahead: the data state saved
+            # with the checkpoint is then that after its last batch.
+            self._fill(1 if remaining == 1 else 2, next_step)
+        if not self._ahead:
+            return None
+        batch = self._ahead.popleft()
+        last = remaining == 1 or stopping or not self._ahead
+        return Dispatch(self._place(batch), 1, last)
+
+    def _fill(self, count: int, next_step: int) -> None:
+        while len(self._ahead) < count and not self.exhausted:
+            batch = self._read(next_step + len(self._ahead))
+            if batch is None:
+                self.exhausted = True
+            else:
+                self._ahead.append(batch)
+
+    def _read(self, for_step: int) -> Batch | None:
+        r"""The batch for `for_step`, normalized and validated; `None` at the end."""
+        try:
+            raw = self._next_raw()
+        except StopIteration:
+            if self._placement.multiprocess:
+                raise DataExhaustedError(
+                    f"The data stream of process {jax.process_index()} ended before step "
+                    f"{for_step}. With several processes every stream must yield a batch "
+                    "for every step, so that all take the same steps: give each process "
+                    "an endless or re-iterable source and stop with n_steps."
+                ) from None
+            return None
+        except Exception as error:
+            error.add_note(
+                f"flax_loop: raised by task.data while reading the batch for step {for_step}"
+            )
+            raise
+        spec = getattr(self, "spec", None)
+        if spec is not None:
+            fast = spec.fast_path(raw)
+            if fast is not None:
+                return fast
+        try:
+            batch = normalize_batch(raw)
+        except BatchError as error:
+            raise BatchError(f"The batch for step {for_step}: {error}") from error
+        if spec is not None:
+            spec.validate(batch, step=for_step)
+        if not self._placement.multiprocess:
+            batch = self._placement.feed_batch(batch)  # JAX arrays on other devices
+        return batch
+
+    def _next_raw(self) -> Any:
+        try:
+            raw = next(self._iterator)
+        except StopIteration:
+            if self._source is None or self._position == 0:
+                raise  # a one-shot iterator, or an epoch without a batch
+            self._epoch, self._position = self._epoch + 1, 0
+            self._iterator = iter(self._source)
+            raw = next(self._iterator)
+        self._position += 1
+        return raw
+
+    def state(self, step: int) -> Any:
+        r"""The source's state after the last batch trained on, to save with a
+        checkpoint at `step`: a deep copy, which later reads cannot change.
+
+        `None` for a one-shot iterator without `get_state`; with several
+        processes, every process's state.
+        """
+        get_state = getattr(self._iterator, "get_state", None)
+        if self._source is not None:
+            position: dict[str, Any] = {"epoch": self._epoch, "batches": self._position}
+            if callable(get_state):
+                position["state"] = get_state()
+            state: Any = {EPOCH: position}
+        elif callable(get_state):
+            state = get_state()
+        else:
+            return None
+        state = copy.deepcopy(state)
+        if self._placement.multiprocess:
+            return {PER_PROCESS: distributed.gather_objects(f"data_state/{step}", state)}
+        return state
+
+    def restore(self, state: Any, stdout: bool) -> None:
+        r"""Repositions the source at a saved state (what was read ahead is dropped).
+
+        A source that cannot be repositioned starts from its first batch, and
+        says so: the run then does not match one that never stopped.
+        """
+        if isinstance(state, dict) and PER_PROCESS in state:
+            states = state[PER_PROCESS]
+            if len(states) == jax.process_count():
+                state = states[jax.process_index()]
+            elif all(each == states[0] for each in states):
+                state = states[0]
+            else:
+                state = None  # written by another number of processes
+        why = self._reposition(state)
+        if why is None:
+            self._ahead.clear()
+            self.exhausted = False
+            return
+        log(
+            f"[yellow]The data stream cannot be repositioned[/yellow] ({why}): it "
+            "restarts from its first batch, so this run will not match one that "
+            "never stopped. Give task.data get_state/set_state (grain's iterators "
+            "have them) or a re-iterable source for exact resume.",
+            stdout=stdout,
+        )
+
+    def _reposition(self, state: Any) -> str | None:
+        r"""Repositions the source; `None` if done, or why it cannot be."""
+        set_state = getattr(self._iterator, "set_state", None)
+        if self._source is None and not callable(set_state):
+            return "it has no get_state/set_state"
+        if state is None:
+            return "the checkpoint holds no state of it, or one of another number of processes"
+        if self._source is not None:
+            if not (isinstance(state, dict) and isinstance(state.get(EPOCH), dict)):
+                return "the checkpoint's data state is not that of a re-iterable source"
+            saved = state[EPOCH]
+            self._iterator, self._epoch = iter(self._source), int(saved.get("epoch", 0))
+            set_state = getattr(self._iterator, "set_state", None)
+            if "state" in saved and callable(set_state):
+                set_state(saved["state"])
+                self._position = int(saved.get("batches", 0))
+                return None
+            self._position = 0
+            for _ in range(int(saved.get("batches", 0))):  # skip what was trained on
+                self._next_raw()
+            return None
+        assert callable(set_state)
+        set_state(state)
+        return None
+
+
+def _as_is(batch: Batch) -> Batch:
+    return batch
+
+
+def _stack(batches: list[Batch]) -> Batch:
+    r"""Stacks batches along a new leading axis, for several steps per dispatch."""
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)

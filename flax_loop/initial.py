@@ -1,0 +1,145 @@
+r"""The state training starts from: a model's `init`, or a checkpoint file.
+
+>>> start = initial_state(model.init, optax.sgd(0.1), jax.random.key(0), (x,),
+...                       init_labels=["params"], mutable_collections=True)
+>>> start.step, start.path is None
+(0, True)
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from flax.core import unfreeze
+from flax.core.scope import CollectionFilter
+
+from flax_loop.checkpoint import CheckpointFile, CheckpointFileReader
+from flax_loop.errors import ConfigError, FlaxLoopError, InitError
+from flax_loop.random import init_key, into_collection
+
+InitFn = Callable[..., Any]
+r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""
+
+
+class InitialState(NamedTuple):
+    r"""Where training starts."""
+
+    model_params: Any
+    r"""the parameters (device or numpy arrays)."""
+
+    model_state: Any
+    r"""the model's other collections."""
+
+    optimizer_state: Any
+    r"""the optimizer's state."""
+
+    step: int
+    r"""the number of steps already trained."""
+
+    rnkey: jax.Array | None = None
+    r"""the run's key stored in the file resumed from, if any."""
+
+    data_state: Any = None
+    r"""the data iterator's state stored in the file resumed from, if any."""
+
+    path: str | None = None
+    r"""the file resumed from; `None` for a fresh start."""
+
+
+def initial_state(
+    init: InitFn,
+    optimizer: optax.GradientTransformation,
+    rnkey: jax.Array,
+    inputs: tuple[Any, ...],
+    init_labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+    reader: CheckpointFileReader | None = None,
+) -> InitialState:
+    r"""The newest file of `reader`'s directory, or a fresh initialization.
+
+    Resuming never runs the model's `init`: the file is restored into the
+    shapes and dtypes `init` would give (`jax.eval_shape`).
+
+    Raises:
+        InitError: if `init` fails or returns no `params`.
+        ConfigError: if the optimizer cannot be initialized.
+        CheckpointError: if the directory's files cannot be used.
+    """
+
+    def start(key: jax.Array, *inputs: Any) -> tuple[Any, Any, Any]:
+        params, model_state = _initialize(init, key, inputs, init_labels, mutable_collections)
+        return params, model_state, _init_optimizer(optimizer, params)
+
+    key = init_key(rnkey)
+    if reader is not None:
+        template = _guarded(lambda: jax.eval_shape(start, key, *inputs), init, inputs, init_labels)
+        restored = reader.restore(
+            CheckpointFile(
+                model_params=template[0],
+                model_state=template[1],
+                optimizer_state=template[2],
+                step=0,
+            )
+        )
+        if restored is not None:
+            return InitialState(
+                restored.model_params,
+                restored.model_state,
+                restored.optimizer_state,
+                int(restored.step),
+                restored.rnkey,
+                restored.data_state,
+                restored.path,
+            )
+    params, model_state, optimizer_state = _guarded(
+        lambda: jax.jit(start)(key, *inputs), init, inputs, init_labels
+    )
+    return InitialState(params, model_state, optimizer_state, 0)
+
+
+def _guarded(
+    run: Callable[[], Any], init: InitFn, inputs: tuple[Any, ...], labels: Sequence[str]
+) -> Any:
+    try:
+        return run()
+    except FlaxLoopError:
+        raise
+    except Exception as error:
+        raise InitError(
+            f"init raised {type(error).__name__}: {error}. It was called with "
+            f"inputs of shapes {[tuple(np.shape(x)) for x in inputs]} and RNG "
+            f"collections {list(labels)}; check the model against the data "
+            "(or pass input_sample)."
+        ) from error
+
+
+def _initialize(
+    init: InitFn,
+    key: jax.Array,
+    inputs: tuple[Any, ...],
+    labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+) -> tuple[Any, Any]:
+    r"""Runs the model's init and splits params from the other collections."""
+    variables = init(into_collection(key, labels), *inputs, mutable=mutable_collections)
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise InitError(
+            f"init must return variables with a 'params' collection (as a linen "
+            f"Module's init does); got {type(variables).__name__} "
+            f"{list(variables) if isinstance(variables, Mapping) else ''}."
+        )
+    variables = unfreeze(variables)  # type: ignore[arg-type]
+    params = variables.pop("params")
+    return params, variables
+
+
+def _init_optimizer(optimizer: optax.GradientTransformation, params: Any) -> Any:
+    try:
+        return optimizer.init(params)
+    except Exception as error:
+        raise ConfigError(
+            f"task.optimizer.init failed with {type(error).__name__}: {error}. "
+            "Pass an optax.GradientTransformation such as optax.adam(1e-3)."
+        ) from error

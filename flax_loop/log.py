@@ -1,0 +1,66 @@
+r"""Messages to the user: one rich console, printed by process 0 only.
+
+Every module that prints goes through `log`, so output can be redirected in
+one place (a notebook, a test, a log file):
+
+>>> import io
+>>> from rich.console import Console
+>>> previous = set_console(Console(file=io.StringIO(), width=80))
+>>> log("Resumed from step 40.")
+>>> _ = set_console(previous)
+"""
+
+import math
+import threading
+
+import jax
+from rich.console import Console
+
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+_console: Console | None = None
+_lock = threading.Lock()
+
+
+def console() -> Console:
+    r"""The console flax_loop prints to (a rich `Console` on stdout by default)."""
+    global _console
+    with _lock:
+        if _console is None:
+            _console = Console(highlight=False)
+        return _console
+
+
+def set_console(new: Console | None) -> Console | None:
+    r"""Makes flax_loop print to `new` (`None`: a fresh console on stdout).
+
+    Returns:
+        the console used before, to put back later.
+    """
+    global _console
+    with _lock:
+        previous, _console = _console, new
+    return previous
+
+
+def is_main_process() -> bool:
+    r"""Whether this process prints, logs and writes files (process 0)."""
+    return jax.process_index() == 0
+
+
+def log(message: str, stdout: bool = True) -> None:
+    r"""Prints a message on process 0 when `stdout` is set."""
+    if stdout and is_main_process():
+        console().print(message)
+
+
+def format_bytes(size: int) -> str:
+    r"""A byte count for people.
+
+    >>> format_bytes(1536)
+    '1.5 KiB'
+    """
+    if size < 1024:
+        return f"{size} B"
+    power = min(int(math.log(size, 1024)), len(_BYTE_UNITS) - 1)
+    return f"{size / 1024**power:.1f} {_BYTE_UNITS[power]}"
