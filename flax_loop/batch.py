@@ -193,6 +193,24 @@ class BatchSpec:
                 return (x,), (y,)
         return None
 
+    def shorter(self, batch: Batch) -> bool:
+        r"""Whether `batch` is this spec but for a smaller batch size."""
+        received = BatchSpec.of(batch)
+        mine, theirs = self.inputs + self.targets, received.inputs + received.targets
+        if len(received.inputs) != len(self.inputs) or len(mine) != len(theirs):
+            return False
+        if any(not shape for shape, _ in theirs):
+            return False
+        sizes = {shape[0] for shape, _ in theirs}
+        return (
+            len(sizes) == 1
+            and 0 < sizes.pop() < self.batch_size
+            and all(
+                shape[1:] == want[1:] and dtype == want_dtype
+                for (shape, dtype), (want, want_dtype) in zip(theirs, mine)
+            )
+        )
+
     def validate(self, batch: Batch, step: int | None = None) -> None:
         r"""Checks that a batch has exactly this spec.
 

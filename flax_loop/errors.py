@@ -26,6 +26,10 @@ class InitError(FlaxLoopError, RuntimeError):
     r"""The model's `init` function failed or returned something unusable."""
 
 
+class ApplyError(FlaxLoopError, TypeError):
+    r"""The model's `apply` does not follow the contract `TrainTask` documents."""
+
+
 class LossError(FlaxLoopError, TypeError):
     r"""The loss function returned something other than a floating scalar."""
 

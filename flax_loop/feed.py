@@ -49,6 +49,10 @@ class Dispatch(NamedTuple):
     last: bool
     r"""whether it ends the interval (its step returns the gradients)."""
 
+    short: bool = False
+    r"""whether it is a stream's (or epoch's) shorter last batch, which needs
+    a step compiled for its size."""
+
 
 class BatchFeed:
     r"""Batches of a data source, ready for the compiled steps.
@@ -81,6 +85,8 @@ class BatchFeed:
         self._place = placement.shard_batch if placement.multiprocess else _as_is
         self._many = steps_per_dispatch
         self._ahead: deque[Batch] = deque()
+        self._peeked: Any = _NOTHING  # a raw batch read to see if the stream ends
+        self._noted_drop = False
         self.exhausted = False
         first = self._read(for_step=1)
         if first is None:
@@ -92,6 +98,7 @@ class BatchFeed:
         self.spec.check_batch_axis(placement.n_local_devices)
         distributed.agree("the process-local batch size", self.spec.batch_size)
         self.sample = first
+        self._size = self.spec.batch_size
         self._ahead.append(first)
 
     @property
@@ -124,7 +131,9 @@ class BatchFeed:
         if not stopping:
             if self._many > 1 and remaining > self._many:
                 self._fill(self._many + 1, next_step)
-                if len(self._ahead) > self._many:
+                if len(self._ahead) > self._many and not any(
+                    self._is_short(self._ahead[index]) for index in range(self._many)
+                ):
                     group = [self._ahead.popleft() for _ in range(self._many)]
                     stacked = self._placement.shard_batch(_stack(group), stacked=True)
                     return Dispatch(stacked, self._many, False)
@@ -135,7 +144,10 @@ class BatchFeed:
             return None
         batch = self._ahead.popleft()
         last = remaining == 1 or stopping or not self._ahead
-        return Dispatch(self._place(batch), 1, last)
+        return Dispatch(self._place(batch), 1, last, self._is_short(batch))
+
+    def _is_short(self, batch: Batch) -> bool:
+        return bool(batch[0][0].shape[0] != self._size)
 
     def _fill(self, count: int, next_step: int) -> None:
         while len(self._ahead) < count and not self.exhausted:
@@ -172,14 +184,41 @@ class BatchFeed:
             batch = normalize_batch(raw)
         except BatchError as error:
             raise BatchError(f"The batch for step {for_step}: {error}") from error
+        if spec is not None and spec.shorter(batch) and self._ends_after():
+            # A stream's shorter last batch (a DataLoader's, tf.data's): trained
+            # on if it splits over the devices, else dropped, never an error.
+            size = batch[0][0].shape[0]
+            if size % self._placement.n_local_devices or self._placement.multiprocess:
+                if not self._noted_drop:
+                    log(
+                        f"The stream's last batch holds {size} examples, which do not "
+                        f"split over {self._placement.n_local_devices} devices: it is "
+                        "dropped (each time the source ends with it)."
+                    )
+                    self._noted_drop = True
+                return self._read(for_step) if self._source is not None else None
+            return batch
         if spec is not None:
             spec.validate(batch, step=for_step)
         if not self._placement.multiprocess:
             batch = self._placement.feed_batch(batch)  # JAX arrays on other devices
         return batch
 
+    def _ends_after(self) -> bool:
+        r"""Whether the current iterator has no batch after the one just read."""
+        if self._peeked is _NOTHING:
+            try:
+                self._peeked = next(self._iterator)
+            except StopIteration:
+                return True
+        return False
+
     def _next_raw(self) -> Any:
         try:
+            if self._peeked is not _NOTHING:
+                raw, self._peeked = self._peeked, _NOTHING
+                self._position += 1
+                return raw
             raw = next(self._iterator)
         except StopIteration:
             if self._source is None or self._position == 0:
@@ -229,6 +268,7 @@ class BatchFeed:
         why = self._reposition(state)
         if why is None:
             self._ahead.clear()
+            self._peeked = _NOTHING
             self.exhausted = False
             return
         log(
@@ -263,6 +303,9 @@ class BatchFeed:
         assert callable(set_state)
         set_state(state)
         return None
+
+
+_NOTHING = object()
 
 
 def _as_is(batch: Batch) -> Batch:

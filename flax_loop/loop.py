@@ -18,6 +18,8 @@ In a notebook, `loop.next_checkpoint()` runs to the next multiple (or to
 (11, 12, 10)
 """
 
+from __future__ import annotations  # help(TrainLoop) shows the short type names
+
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,7 +41,8 @@ from flax_loop.parallel import DATA_AXIS, InFlight, Placement
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, labels_of, same_key, train_key
-from flax_loop.step import NONFINITE_MODES, CompiledSteps, TrainState, build_update
+from flax_loop.state import TrainState
+from flax_loop.step import NONFINITE_MODES, CompiledSteps, build_update
 from flax_loop.task import TrainTask, check_train_task
 
 MAX_STEPS = 2**31 - 1
@@ -339,7 +342,10 @@ class TrainLoop:
             dispatch = take(boundary - self._step, may_stop and guard.requested, self._step + 1)
             if dispatch is None:
                 break
-            if dispatch.n_steps > 1:
+            if dispatch.short:
+                self._state, loss, grads = steps.shorter(self._state, dispatch.batch, key)
+                self._grads = grads if dispatch.last else self._grads
+            elif dispatch.n_steps > 1:
                 self._state, loss = steps.many(self._state, dispatch.batch, key)  # type: ignore[misc]
             elif dispatch.last:
                 self._state, loss, self._grads = steps.last(self._state, dispatch.batch, key)

@@ -14,139 +14,26 @@ under a plain `jax.jit`, without collectives (`shard_map` costs ~11% there).
 (1, ())
 """
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.core.scope import CollectionFilter
 from jax.sharding import PartitionSpec
 
 from flax_loop.batch import Batch
-from flax_loop.errors import LossError
+from flax_loop.model import call_apply, check_loss
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.random import step_keys
+from flax_loop.state import IntervalResult, TrainState, all_finite, close_interval
 
 NONFINITE_MODES = ("raise", "skip")
 
 Update = Callable[["TrainState", Batch, jax.Array], tuple["TrainState", tuple[jax.Array, Any]]]
-
-
-class TrainState(NamedTuple):
-    r"""Everything the update carries from one step to the next.
-
-    It lives on the devices, replicated, and is donated to each step. A
-    NamedTuple, whose pytree handling is the fastest JAX has. The
-    gradients are not part of it: carrying them from step to step forces XLA
-    to materialize them apart from the optimizer's update, which cost 30% of
-    a small MLP's step here; the last step of an interval returns them.
-    """
-
-    counters: jax.Array
-    r"""int32[3]: the number of completed steps; since the last checkpoint, the
-    number of steps whose loss (or, when skipping, gradient) was not finite
-    and the first such step (0 if none). One array, not three: every leaf
-    costs each step ~0.7 us to pass."""
-
-    model_params: Any
-    r"""the model's parameters."""
-
-    model_state: Any
-    r"""the model's other collections (e.g. `batch_stats`)."""
-
-    optimizer_state: Any
-    r"""the optimizer's state."""
-
-    loss_sum: jax.Array
-    r"""the sum of the finite losses since the last checkpoint."""
-
-    @property
-    def step(self) -> jax.Array:
-        r"""the number of completed steps."""
-        return self.counters[0]
-
-    @classmethod
-    def create(
-        cls, model_params: Any, model_state: Any, optimizer_state: Any, step: int
-    ) -> "TrainState":
-        r"""A state at `step`, with empty interval sums."""
-        return cls(
-            counters=jnp.asarray([step, 0, 0], jnp.int32),
-            model_params=model_params,
-            model_state=model_state,
-            optimizer_state=optimizer_state,
-            loss_sum=jnp.zeros((), jnp.float32),
-        )
-
-
-class IntervalStatistics(NamedTuple):
-    r"""What a checkpoint reports of its interval, computed on the devices."""
-
-    counters: jax.Array
-    r"""the state's counters at the end of the interval."""
-
-    loss_sum: jax.Array
-    r"""the sum of the interval's finite losses."""
-
-    finite: jax.Array
-    r"""whether every parameter and the last step's gradients are finite."""
-
-
-class IntervalResult(NamedTuple):
-    r"""An interval's statistics on the host, as a checkpoint reports them."""
-
-    loss: float
-    r"""the last step's loss."""
-
-    mean_loss: float
-    r"""the mean of the interval's finite losses (NaN if none was finite)."""
-
-    n_nonfinite: int
-    r"""steps whose loss (or, when skipping, gradient) was not finite."""
-
-    first_nonfinite: int
-    r"""the first such step (0 if none)."""
-
-    finite: bool
-    r"""whether every parameter and the last step's gradients are finite."""
-
-
-def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalStatistics]:
-    r"""The interval's statistics, and the state with its interval sums reset.
-
-    >>> state, statistics = close_interval(state, grads)
-    >>> int(statistics.counters[0]), float(state.loss_sum)
-    (1, 0.0)
-    """
-    statistics = IntervalStatistics(
-        counters=state.counters,
-        loss_sum=state.loss_sum,
-        finite=all_finite((state.model_params, grads)),
-    )
-    reset = state._replace(
-        counters=state.counters.at[1:].set(0), loss_sum=jnp.zeros_like(state.loss_sum)
-    )
-    return reset, statistics
-
-
-def _check_loss(loss: Any, per_device: bool) -> jax.Array:
-    shape = getattr(loss, "shape", None)
-    dtype = getattr(loss, "dtype", None)
-    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        described = (
-            f"an array of shape {shape} and dtype {dtype}"
-            if shape is not None
-            else f"a {type(loss).__name__}"
-        )
-        raise LossError(
-            f"The loss function must return a floating-point scalar; it "
-            f"returned {described}{' (shapes are per device)' if per_device else ''}. "
-            "Reduce it with .mean() and compute it in "
-            "floating point (e.g. optax.softmax_cross_entropy_with_integer_labels"
-            "(...).mean())."
-        )
-    return loss
 
 
 def _pmean_floating(tree: Any, axis_name: str) -> Any:
@@ -158,22 +45,6 @@ def _pmean_floating(tree: Any, axis_name: str) -> Any:
         return leaf
 
     return jax.tree.map(average, tree)
-
-
-def all_finite(tree: Any) -> jax.Array:
-    r"""Whether every floating-point value of a pytree is finite.
-
-    >>> bool(all_finite({"w": jnp.ones(3), "count": jnp.zeros((), jnp.int32)}))
-    True
-    >>> bool(all_finite([jnp.array([1.0, jnp.nan])]))
-    False
-    """
-    leaves = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def _keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -206,21 +77,14 @@ def build_update(
     Returns:
         `update(state, batch, key) -> (state, (loss, grads))`.
     """
-    mutable = mutable_collections not in (False, None)
 
     def forward(
         params: Any, model_state: Any, batch: Batch, rngs: dict[str, jax.Array]
     ) -> tuple[jax.Array, Any]:
         inputs, targets = batch
         variables = {"params": params, **model_state}
-        if mutable:
-            outputs, mutated = apply(variables, *inputs, rngs=rngs, mutable=mutable_collections)
-            mutated = {k: v for k, v in dict(mutated).items() if k != "params"}
-        else:
-            outputs, mutated = apply(variables, *inputs, rngs=rngs), {}
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
-        return _check_loss(loss(*outputs, *targets), axis_name is not None), mutated
+        outputs, mutated = call_apply(apply, variables, inputs, rngs, mutable_collections)
+        return check_loss(loss(*outputs, *targets), axis_name is not None), mutated
 
     gradient = jax.value_and_grad(forward, has_aux=True)
 
@@ -272,6 +136,7 @@ def compile_update(
     key: jax.Array,
     n_steps: int = 1,
     with_grads: bool = False,
+    on_mesh: bool | None = None,
 ) -> Callable[..., Any]:
     r"""Compiles the update once for the placement, donating the state.
 
@@ -285,6 +150,8 @@ def compile_update(
         n_steps: steps per call; more than one runs them in a `jax.lax.scan`
             over the stacked batches, returning the last step's loss.
         with_grads: whether the call also returns the (last step's) gradients.
+        on_mesh: whether to run it under `shard_map`, binding `DATA_AXIS`; by
+            default only on several devices (on one, `shard_map` costs ~11%).
 
     Returns:
         the compiled `update(state, batch, key) -> (state, loss)`, or
@@ -305,7 +172,7 @@ def compile_update(
         state, (loss, grads) = update(state, batches, key)
         return (state, loss, grads) if with_grads else (state, loss)
 
-    if placement.n_devices > 1:
+    if on_mesh if on_mesh is not None else placement.n_devices > 1:
         # check_vma=False keeps pmap's semantics: per-device gradients, then an
         # explicit pmean. With the default, differentiating w.r.t. replicated
         # parameters already sums over the axis and the update is N times too
@@ -340,19 +207,43 @@ class CompiledSteps:
         key: jax.Array,
         steps_per_dispatch: int,
     ) -> None:
-        self.one = compile_update(update, placement, state, batch, key)
-        self.last = compile_update(update, placement, state, batch, key, with_grads=True)
-        self.many: Callable[..., Any] | None = (
-            compile_update(update, placement, state, stacked, key, n_steps=steps_per_dispatch)
-            if stacked is not None
-            else None
+        on_mesh = placement.n_devices > 1
+        try:
+            self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+        except NameError as error:
+            # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
+            # one device: bind the axis with a one-device mesh.
+            if on_mesh or f"unbound axis name: {DATA_AXIS}" not in str(error):
+                raise
+            on_mesh = True
+            self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+        self.last = compile_update(
+            update, placement, state, batch, key, with_grads=True, on_mesh=on_mesh
         )
+        self._compile = functools.partial(
+            compile_update, update, placement, key=key, with_grads=True, on_mesh=on_mesh
+        )
+        self._shorter: dict[Any, Callable[..., Any]] = {}
+        self.many: Callable[..., Any] | None = None
+        if stacked is not None:
+            self.many = compile_update(
+                update, placement, state, stacked, key, n_steps=steps_per_dispatch, on_mesh=on_mesh
+            )
         reset_sharding = (placement.replicated, placement.replicated)
         self._close_interval = (
             jax.jit(close_interval, donate_argnums=0, out_shardings=reset_sharding)
             .lower(state, state.model_params)
             .compile()
         )
+
+    def shorter(self, state: TrainState, batch: Batch, key: jax.Array) -> Any:
+        r"""One step on a stream's shorter last batch, `-> (state, loss, grads)`,
+        compiled for its size on first use (once per size)."""
+        shapes = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
+        compiled = self._shorter.get(shapes)
+        if compiled is None:
+            compiled = self._shorter[shapes] = self._compile(state, batch)
+        return compiled(state, batch, key)
 
     def finish_interval(
         self, state: TrainState, grads: Any, loss: jax.Array, n_steps: int

@@ -27,6 +27,7 @@ from flax_loop import (
 )
 from flax_loop.checkpoint import _format
 from flax_loop.errors import (
+    ApplyError,
     BatchError,
     CheckpointCorruptError,
     CheckpointError,
@@ -40,7 +41,15 @@ from flax_loop.errors import (
     MetricError,
     NonFiniteError,
 )
-from tests.helpers import MLP, accuracy, batches, cross_entropy, digits_split, directory_bytes
+from tests.helpers import (
+    MLP,
+    BatchNormDropoutNet,
+    accuracy,
+    batches,
+    cross_entropy,
+    digits_split,
+    directory_bytes,
+)
 
 X, Y, X_TEST, Y_TEST = digits_split()
 MODEL = MLP()
@@ -53,7 +62,7 @@ def stream(batch_size=32):
 def train(directory, data=None, loss=cross_entropy, model=MODEL, **options):
     """Resumes from `directory` (step 5), trains to 10, writes each checkpoint there."""
     task = TrainTask(
-        apply=model.apply,
+        apply=options.pop("apply", model.apply),
         optimizer=options.pop("optimizer", optax.adam(1e-2)),
         loss=loss,
         data=stream() if data is None else data,
@@ -145,6 +154,17 @@ def bfloat16_init(*args, **kwargs):
 
     variables = MODEL.init(*args, **kwargs)
     return jax.tree.map(lambda v: v.astype(jnp.bfloat16), variables)
+
+
+def plain_apply(variables, x):
+    return MODEL.apply(variables, x)
+
+
+def apply_without_state(variables, x, rngs=None, mutable=False):
+    return MODEL.apply(variables, x)
+
+
+DROPOUT_MODEL = BatchNormDropoutNet()
 
 
 def raising_init(*args, **kwargs):
@@ -291,6 +311,22 @@ CASES = {
         CheckpointMismatchError,
         r"regular.5.ckpt holds another model or optimizer.*/optimizer_state/2: model empty, "
         "file absent",
+    ),
+    "apply-without-keywords": (
+        lambda d: train(d, init=MODEL.init, apply=plain_apply),
+        ApplyError,
+        "task.apply must accept the keywords rngs= and mutable=.*unexpected keyword",
+    ),
+    "apply-without-mutated-state": (
+        lambda d: train(d, init=MODEL.init, apply=apply_without_state),
+        ApplyError,
+        "must return \\(outputs, mutated variables\\).*returned an array of shape \\(\\d+, 10\\)"
+        ".*mutable_collections=False",
+    ),
+    "dropout-without-collections": (
+        lambda d: train(d, init=DROPOUT_MODEL.init, model=DROPOUT_MODEL),
+        ApplyError,
+        "RNG stream .*collections=\\{'apply': \\['dropout'\\]\\}",
     ),
     "eval-n-steps-zero": (
         lambda d: EvalLoop(

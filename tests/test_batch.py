@@ -11,7 +11,7 @@ import pytest
 from flax_loop import TrainLoop, TrainTask
 from flax_loop.batch import BatchSpec, normalize_batch
 from flax_loop.errors import BatchError
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import MLP, batches, cross_entropy, digits_split, relative_difference
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
 x, y = np.zeros((8, 3), np.float32), np.zeros(8, np.int32)
@@ -64,7 +64,7 @@ def test_spec_names_both_shapes_when_a_batch_changes():
         spec.validate(normalize_batch((x.astype(np.int32), y)), step=5)
 
 
-def make_loop(data, n_devices=4):
+def make_loop(data, n_devices=4, stdout=False):
     model = MLP()
     return TrainLoop(
         init=model.init,
@@ -72,7 +72,7 @@ def make_loop(data, n_devices=4):
         rnkey=jax.random.key(0),
         devices=jax.devices()[:n_devices],
         n_steps=10,
-        stdout=False,
+        stdout=stdout,
     )
 
 
@@ -109,3 +109,53 @@ def test_one_compilation_per_loop():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert steps == [3, 6, 9, 10]
     assert compiles == []
+
+
+def loader_epoch(sizes):
+    """One epoch of a DataLoader-like source: batches of these sizes, in order."""
+    start, epoch = 0, []
+    for size in sizes:
+        epoch.append((X_TRAIN[start : start + size], Y_TRAIN[start : start + size]))
+        start += size
+    return epoch
+
+
+def test_a_short_last_batch_is_trained_on_with_one_more_compilation():
+    epoch = loader_epoch([32] * 5 + [16])
+    compiles = []
+
+    def listener(name, duration, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    loop = make_loop(iter(epoch))
+    loop.n_steps, loop.n_steps_per_checkpoint = 20, 20
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        (checkpoint,) = list(loop)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert checkpoint.step == 6 and checkpoint.n_completed_steps == 6
+    assert len(compiles) == 1  # the step for 16 examples, once
+    one = make_loop(iter(epoch), n_devices=1)
+    one.n_steps, one.n_steps_per_checkpoint = 20, 20
+    (reference,) = list(one)
+    assert relative_difference(checkpoint.model_params, reference.model_params) < 1e-5
+
+
+def test_a_short_last_batch_that_does_not_split_is_dropped_with_a_note(capsys):
+    loop = make_loop(iter(loader_epoch([32] * 4 + [10])), stdout=True)
+    loop.n_steps, loop.n_steps_per_checkpoint = 20, 20
+    (checkpoint,) = list(loop)
+    assert checkpoint.step == 4
+    out = " ".join(capsys.readouterr().out.split())
+    assert "last batch holds 10 examples, which do not split over 4 devices: it is dropped" in out
+
+
+def test_a_re_iterable_source_with_a_short_last_batch_runs_epoch_after_epoch():
+    epoch = loader_epoch([32, 32, 16])
+    loop = make_loop(epoch)
+    loop.n_steps, loop.n_steps_per_checkpoint = 7, 3
+    checkpoints = list(loop)
+    assert [c.step for c in checkpoints] == [3, 6, 7]
+    assert checkpoints[-1].data_state == {"flax_loop/epoch": {"epoch": 2, "batches": 1}}

@@ -65,7 +65,8 @@ def _loop(ns):
 
 
 def _trained_state(ns):
-    from flax_loop.step import TrainState, build_update
+    from flax_loop.state import TrainState
+    from flax_loop.step import build_update
 
     update = build_update(ns["model"].apply, cross_entropy, optax.sgd(0.1), [], False, None)
     state = TrainState.create(ns["params"], {}, optax.sgd(0.1).init(ns["params"]), step=0)

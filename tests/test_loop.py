@@ -1,14 +1,16 @@
 """TrainLoop: data-parallel equivalence, convergence, cadence, state, streams."""
 
+import functools
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from flax_loop import Checkpoint, TrainLoop, TrainTask
+from flax_loop import DATA_AXIS, Checkpoint, EvalLoop, EvalTask, TrainLoop, TrainTask
 from flax_loop.errors import DataExhaustedError
 from tests.helpers import (
     MLP,
@@ -373,3 +375,62 @@ def test_checkpoint_grads_are_the_last_steps_averaged_gradients(n_devices):
     )
     assert relative_difference(second.model_params, expected) < 1e-5
     assert relative_difference(second.grads, first.grads) > 1e-3  # a different step's
+
+
+class GlobalBatchNormNet(nn.Module):
+    """BatchNorm over the global batch, through flax_loop's data axis."""
+
+    axis_name: str | None = DATA_AXIS
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(32, use_bias=False)(x)  # a bias before BatchNorm gets no gradient
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
+        return nn.Dense(10)(nn.relu(x))
+
+
+def test_batchnorm_on_the_data_axis_makes_four_devices_compute_what_one_computes():
+    def final(model, n_devices):
+        loop = make_loop(
+            n_devices, optax.sgd(0.1), model=model, n_steps=20, n_steps_per_checkpoint=20
+        )
+        return list(loop)[-1]
+
+    one, four = final(GlobalBatchNormNet(), 1), final(GlobalBatchNormNet(), 4)
+    assert relative_difference(four.model_params, one.model_params) < 1e-5
+    assert relative_difference(four.model_state, one.model_state) < 1e-5
+    # Without the axis, each device normalizes over its own shard: another model.
+    local = final(GlobalBatchNormNet(axis_name=None), 4)
+    assert relative_difference(local.model_params, one.model_params) > 1e-3
+    # The model evaluates with its running averages, on any number of devices.
+    eval_task = EvalTask(
+        functools.partial(GlobalBatchNormNet().apply, train=False),
+        {"accuracy": accuracy},
+        [(X_TRAIN[:64], Y_TRAIN[:64])],
+    )
+    accuracies = [
+        EvalLoop(eval_task, jax.random.key(0), n_steps=None, n_devices=n)(one).metrics["eval"][
+            "accuracy"
+        ]
+        for n in (1, 4)
+    ]
+    assert accuracies[0] == pytest.approx(accuracies[1], abs=1e-6)
+
+
+def test_a_loop_with_nothing_to_train_says_why(capsys):
+    loop = make_loop(1, stdout=True)  # n_steps left at its default, 0
+    assert list(loop) == []
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Nothing to train: the loop is at step 0 and trains to step 0" in out
+    assert "n_steps is the total" in out
+
+
+def test_help_shows_the_contract_and_short_types():
+    import inspect
+
+    signature = str(inspect.signature(TrainLoop))
+    assert "typing." not in signature and "Union[" not in signature and "flax.core" not in signature
+    assert len(signature) < 600
+    doc = inspect.getdoc(TrainLoop)
+    assert doc.splitlines()[0].startswith("Trains a model and yields a `Checkpoint`")
+    assert "`n_steps` is the total to train to" in " ".join(doc.split()[:60])

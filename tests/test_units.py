@@ -14,7 +14,8 @@ from jax.sharding import Mesh, PartitionSpec
 from flax_loop.checkpoint import _format
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.random import eval_key, init_key, step_keys, train_key
-from flax_loop.step import TrainState, all_finite, build_update, close_interval
+from flax_loop.state import TrainState, all_finite, close_interval
+from flax_loop.step import build_update
 from tests.helpers import MLP, cross_entropy, digits_split
 
 X, Y, _, _ = digits_split()

@@ -1,0 +1,92 @@
+r"""The model's contract: how `apply` and `loss` are called, and what they must return.
+
+A model is a linen module's `apply(variables, *inputs, rngs=..., mutable=...)`
+(outputs, and with mutable collections `(outputs, mutated variables)`); a
+loss is `loss(*outputs, *targets)` returning a floating-point scalar.
+Violations become `ApplyError`s and `LossError`s that say what to pass.
+
+>>> check_loss(jnp.zeros(()), per_device=False).shape
+()
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.core.scope import CollectionFilter
+from flax.errors import InvalidRngError
+
+from flax_loop.errors import ApplyError, LossError
+
+
+def call_apply(
+    apply: Callable[..., Any],
+    variables: Any,
+    inputs: tuple[Any, ...],
+    rngs: dict[str, jax.Array],
+    mutable: CollectionFilter,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    r"""`apply(variables, *inputs, rngs=rngs[, mutable=mutable])` as
+    `(outputs, mutated collections but params)`, its contract violations
+    turned into `ApplyError`s that say what to pass."""
+    mutated: dict[str, Any] = {}
+    try:
+        if mutable in (False, None):
+            result = apply(variables, *inputs, rngs=rngs)
+        else:
+            result = apply(variables, *inputs, rngs=rngs, mutable=mutable)
+            if not (
+                isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)
+            ):
+                raise ApplyError(
+                    "With mutable collections, task.apply must return (outputs, mutated "
+                    "variables), as a linen module's apply(..., mutable=...) does; it "
+                    f"returned {_describe(result)}. Pass mutable_collections=False to "
+                    "TrainLoop for a model without mutable state."
+                )
+            result, mutated = result
+            mutated = {k: v for k, v in dict(mutated).items() if k != "params"}
+    except ApplyError:
+        raise
+    except InvalidRngError as error:
+        raise ApplyError(
+            f"The model asks for an RNG stream that flax_loop was not told of ({error}). "
+            "Name it in TrainLoop(collections={'apply': ['dropout']}) (and in EvalLoop's "
+            "collections if evaluation needs it)."
+        ) from error
+    except TypeError as error:
+        if "rngs" not in str(error) and "mutable" not in str(error):
+            raise
+        raise ApplyError(
+            f"task.apply must accept the keywords rngs= and mutable= (a linen module's "
+            f"apply does); calling it raised TypeError: {error}. Wrap a plain function: "
+            "apply=lambda variables, *x, rngs=None, mutable=False: ..."
+        ) from error
+    return (result if isinstance(result, tuple) else (result,)), mutated
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    shape = getattr(value, "shape", None)
+    return f"an array of shape {shape}" if shape is not None else f"a {type(value).__name__}"
+
+
+def check_loss(loss: Any, per_device: bool) -> jax.Array:
+    shape = getattr(loss, "shape", None)
+    dtype = getattr(loss, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        described = (
+            f"an array of shape {shape} and dtype {dtype}"
+            if shape is not None
+            else f"a {type(loss).__name__}"
+        )
+        raise LossError(
+            f"The loss function must return a floating-point scalar; it "
+            f"returned {described}{' (shapes are per device)' if per_device else ''}. "
+            "Reduce it with .mean() and compute it in "
+            "floating point (e.g. optax.softmax_cross_entropy_with_integer_labels"
+            "(...).mean())."
+        )
+    return loss
