@@ -195,6 +195,7 @@ class TrainLoop:
             self._steps = CompiledSteps(
                 update, placement, self._state, batch, stacked, self._train_key, steps_per_dispatch
             )
+            self._state = self._steps.state
             self._grads: Any = None
             self._last: Checkpoint | None = None
             setup_seconds = time.perf_counter() - started
@@ -387,9 +388,10 @@ class TrainLoop:
                 )
             grads, loss_value = self._grads, result.loss
             n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
+            train_metrics = {"loss": mean_loss, **result.metrics}
         else:  # stopped before any step of this interval
             previous = self._last
-            n_nonfinite, mean_loss = 0, float("nan")
+            n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
             grads = previous.grads if previous else jax.tree.map(jnp.zeros_like, params)
             loss_value = previous.loss if previous else float("nan")
         if preempted:
@@ -406,6 +408,7 @@ class TrainLoop:
             step=self._step,
             mean_loss=mean_loss,
             n_nonfinite_steps=n_nonfinite,
+            train_metrics=train_metrics,
             preempted=preempted,
             rnkey=self._key,
             data_state=self._feed.state(self._step),

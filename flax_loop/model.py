@@ -73,6 +73,32 @@ def _describe(value: Any) -> str:
     return f"an array of shape {shape}" if shape is not None else f"a {type(value).__name__}"
 
 
+def split_loss(value: Any, per_device: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""A loss function's result as `(loss, metrics)`.
+
+    A loss returns a floating scalar, or `(scalar, {"accuracy": scalar, ...})`
+    to report training metrics without a second pass.
+
+    >>> loss, metrics = split_loss((jnp.ones(()), {"accuracy": jnp.asarray(0.5)}), False)
+    >>> float(loss), {name: float(v) for name, v in metrics.items()}
+    (1.0, {'accuracy': 0.5})
+    """
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
+        loss, metrics = value
+        checked = {}
+        for name, metric in metrics.items():
+            array = jnp.asarray(metric)
+            if not isinstance(name, str) or array.shape != ():
+                raise LossError(
+                    f"The loss function's metrics must map names to scalars; got "
+                    f"{name!r}: an array of shape {array.shape}"
+                    f"{' (shapes are per device)' if per_device else ''}. Reduce it with .mean()."
+                )
+            checked[name] = array.astype(jnp.float32)
+        return check_loss(loss, per_device), checked
+    return check_loss(value, per_device), {}
+
+
 def check_loss(loss: Any, per_device: bool) -> jax.Array:
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)

@@ -39,6 +39,11 @@ class TrainState(NamedTuple):
     loss_sum: jax.Array
     r"""the sum of the finite losses since the last checkpoint."""
 
+    metric_sums: Any = None
+    r"""the sums of the loss function's extra metrics (`loss -> (loss,
+    {name: value})`) over the finite steps since the last checkpoint; `{}`
+    for a loss without them."""
+
     @property
     def step(self) -> jax.Array:
         r"""the number of completed steps."""
@@ -55,6 +60,7 @@ class TrainState(NamedTuple):
             model_state=model_state,
             optimizer_state=optimizer_state,
             loss_sum=jnp.zeros((), jnp.float32),
+            metric_sums={},
         )
 
 
@@ -66,6 +72,9 @@ class IntervalStatistics(NamedTuple):
 
     loss_sum: jax.Array
     r"""the sum of the interval's finite losses."""
+
+    metric_sums: Any
+    r"""the sums of the loss function's extra metrics over those steps."""
 
     finite: jax.Array
     r"""whether every parameter and the last step's gradients are finite."""
@@ -89,6 +98,9 @@ class IntervalResult(NamedTuple):
     finite: bool
     r"""whether every parameter and the last step's gradients are finite."""
 
+    metrics: dict[str, float]
+    r"""the means of the loss function's extra metrics over the finite steps."""
+
 
 def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalStatistics]:
     r"""The interval's statistics, and the state with its interval sums reset.
@@ -100,10 +112,13 @@ def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalS
     statistics = IntervalStatistics(
         counters=state.counters,
         loss_sum=state.loss_sum,
+        metric_sums=state.metric_sums,
         finite=all_finite((state.model_params, grads)),
     )
     reset = state._replace(
-        counters=state.counters.at[1:].set(0), loss_sum=jnp.zeros_like(state.loss_sum)
+        counters=state.counters.at[1:].set(0),
+        loss_sum=jnp.zeros_like(state.loss_sum),
+        metric_sums=jax.tree.map(jnp.zeros_like, state.metric_sums),
     )
     return reset, statistics
 

@@ -26,7 +26,7 @@ from flax.core.scope import CollectionFilter
 from jax.sharding import PartitionSpec
 
 from flax_loop.batch import Batch
-from flax_loop.model import call_apply, check_loss
+from flax_loop.model import call_apply, split_loss
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.random import step_keys
 from flax_loop.state import IntervalResult, TrainState, all_finite, close_interval
@@ -84,7 +84,8 @@ def build_update(
         inputs, targets = batch
         variables = {"params": params, **model_state}
         outputs, mutated = call_apply(apply, variables, inputs, rngs, mutable_collections)
-        return check_loss(loss(*outputs, *targets), axis_name is not None), mutated
+        loss_value, metrics = split_loss(loss(*outputs, *targets), axis_name is not None)
+        return loss_value, (mutated, metrics)
 
     gradient = jax.value_and_grad(forward, has_aux=True)
 
@@ -94,9 +95,11 @@ def build_update(
         step = state.counters[0] + 1
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
         rngs = step_keys(key, step, device_index, rng_labels)
-        (loss_value, mutated), grads = gradient(state.model_params, state.model_state, batch, rngs)
+        (loss_value, (mutated, metrics)), grads = gradient(
+            state.model_params, state.model_state, batch, rngs
+        )
         if axis_name:
-            loss_value, grads = jax.lax.pmean((loss_value, grads), axis_name)
+            loss_value, grads, metrics = jax.lax.pmean((loss_value, grads, metrics), axis_name)
             mutated = _pmean_floating(mutated, axis_name)
         updates, optimizer_state = optimizer.update(
             grads, state.optimizer_state, state.model_params
@@ -122,6 +125,11 @@ def build_update(
             model_state={**state.model_state, **mutated},
             optimizer_state=optimizer_state,
             loss_sum=state.loss_sum + jnp.where(finite, loss_value, 0.0),
+            metric_sums={
+                name: state.metric_sums.get(name, jnp.zeros((), jnp.float32))
+                + jnp.where(finite, value, 0.0)
+                for name, value in metrics.items()
+            },
         )
         return new_state, (loss_value.astype(jnp.float32), grads)
 
@@ -137,7 +145,7 @@ def compile_update(
     n_steps: int = 1,
     with_grads: bool = False,
     on_mesh: bool | None = None,
-) -> Callable[..., Any]:
+) -> jax.stages.Compiled:
     r"""Compiles the update once for the placement, donating the state.
 
     Args:
@@ -217,6 +225,13 @@ class CompiledSteps:
                 raise
             on_mesh = True
             self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+        sums = self.one.out_info[0].metric_sums
+        if set(sums) != set(state.metric_sums):  # the loss reports metrics: carry their sums
+            zeros = {name: np.zeros((), np.float32) for name in sums}
+            state = state._replace(metric_sums=placement.replicate(zeros))
+            self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+        self.state = state
+        r"""the state to start from (with the metric sums the loss needs)."""
         self.last = compile_update(
             update, placement, state, batch, key, with_grads=True, on_mesh=on_mesh
         )
@@ -251,10 +266,14 @@ class CompiledSteps:
         r"""The interval's statistics (the host's one wait for the devices in an
         interval), and the state with its interval sums reset."""
         state, statistics = self._close_interval(state, grads)
-        loss, (counters, loss_sum, finite) = to_host((loss, statistics))
+        loss, (counters, loss_sum, metric_sums, finite) = to_host((loss, statistics))
         _, n_nonfinite, first_nonfinite = (int(count) for count in counters)
         n_finite = n_steps - n_nonfinite
-        mean_loss = float(loss_sum) / n_finite if n_finite else float("nan")
+
+        def mean(total: Any) -> float:
+            return float(total) / n_finite if n_finite else float("nan")
+
+        metrics = {name: mean(total) for name, total in metric_sums.items()}
         return state, IntervalResult(
-            float(loss), mean_loss, n_nonfinite, first_nonfinite, bool(finite)
+            float(loss), mean(loss_sum), n_nonfinite, first_nonfinite, bool(finite), metrics
         )

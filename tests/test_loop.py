@@ -434,3 +434,38 @@ def test_help_shows_the_contract_and_short_types():
     doc = inspect.getdoc(TrainLoop)
     assert doc.splitlines()[0].startswith("Trains a model and yields a `Checkpoint`")
     assert "`n_steps` is the total to train to" in " ".join(doc.split()[:60])
+
+
+def loss_with_accuracy(logits, labels):
+    return cross_entropy(logits, labels), {"accuracy": accuracy(logits, labels).mean()}
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_training_metrics_from_the_loss_are_interval_means(n_devices):
+    from flax_loop.checkpoint import train_statistics
+
+    data = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 10))
+    model = MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.0), loss_with_accuracy, iter(data)),
+        rnkey=jax.random.key(0),
+        n_steps=10,
+        n_steps_per_checkpoint=5,
+        devices=jax.devices()[:n_devices],
+        stdout=False,
+    )
+    first, second = list(loop)
+    params = {"params": first.model_params}  # a learning rate of 0: params stay
+
+    def expected(batches_):
+        scores = [np.mean(np.argmax(model.apply(params, x), -1) == y) for x, y in batches_]
+        losses = [float(cross_entropy(model.apply(params, x), y)) for x, y in batches_]
+        return np.mean(scores), np.mean(losses)
+
+    for checkpoint, part in ((first, data[:5]), (second, data[5:])):
+        accuracy_mean, loss_mean = expected(part)
+        assert checkpoint.train_metrics["accuracy"] == pytest.approx(accuracy_mean, abs=1e-6)
+        assert checkpoint.train_metrics["loss"] == pytest.approx(loss_mean, rel=1e-5)
+        assert checkpoint.mean_loss == checkpoint.train_metrics["loss"]
+    assert train_statistics(second)["accuracy"] == second.train_metrics["accuracy"]

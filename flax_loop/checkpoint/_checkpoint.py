@@ -57,6 +57,11 @@ class Checkpoint:
     n_nonfinite_steps: int = field(default=0, kw_only=True)
     r"""steps of the interval whose loss or gradient was not finite."""
 
+    train_metrics: dict[str, float] = field(default_factory=dict, kw_only=True)
+    r"""the interval's means on the devices of `loss` and of the metrics the
+    loss function returns with it (`loss -> (loss, {"accuracy": ...})`), as
+    floats; the logger and TensorBoard show them in the "train" group."""
+
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
 

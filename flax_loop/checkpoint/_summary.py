@@ -24,8 +24,10 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
     elapsed = float(checkpoint.elapsed_time)
     mean_loss = checkpoint.mean_loss if checkpoint.mean_loss is not None else checkpoint.loss
     grads_norm, weights_norm = to_host(_global_norms(checkpoint.grads, checkpoint.model_params))
+    extra = {name: float(value) for name, value in checkpoint.train_metrics.items()}
     return {
         "loss": float(mean_loss),
+        **{name: value for name, value in extra.items() if name != "loss"},
         "last_loss": float(checkpoint.loss),
         "seconds_per_step": elapsed / n_steps,
         "steps_per_second": n_steps / elapsed if elapsed > 0 else float("inf"),
