@@ -25,6 +25,7 @@ from flax_loop import distributed
 from flax_loop.batch import Batch, leading_size, normalize_batch
 from flax_loop.checkpoint import Checkpoint, Summary, expect, summarize
 from flax_loop.errors import ConfigError, DataExhaustedError, check_count
+from flax_loop.modules import as_apply
 from flax_loop.parallel import InFlight, Placement, to_host
 from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
 from flax_loop.task import EvalTask
@@ -76,6 +77,7 @@ class EvalLoop:
         if devices is None and n_devices is not None:
             devices = jax.devices()[: check_count("n_devices", n_devices, 1, len(jax.devices()))]
         self._task = task
+        self._apply = as_apply(task.apply, train=False)
         self._n_steps = n_steps
         self._group = group
         self._key = as_typed_key(rnkey)
@@ -213,7 +215,7 @@ class EvalLoop:
         key: jax.Array,
     ) -> Totals:
         rngs = into_collection(key, self._labels)
-        outputs = self._task.apply(variables, *inputs, rngs=rngs)
+        outputs = self._apply(variables, *inputs, rngs=rngs)
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
         weights = mask.astype(jnp.float32)

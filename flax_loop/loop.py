@@ -37,6 +37,7 @@ from flax_loop.errors import ConfigError, DataExhaustedError, NonFiniteError, ch
 from flax_loop.feed import BatchFeed
 from flax_loop.initial import InitFn, initial_state
 from flax_loop.log import console, is_main_process, log
+from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
@@ -61,7 +62,10 @@ class TrainLoop:
     `n_steps` is the total to train to, counted from step 0 (a resumed loop
     trains up to the same total). The model is `init(rngs, *inputs,
     mutable=...) -> variables` and `task.apply(variables, *inputs, rngs=...,
-    mutable=...)` (a linen module's `init` and `apply`).
+    mutable=...)` (a linen module's `init` and `apply`), or an `nnx.Module`
+    given as both `init` and `task.apply` (it is never changed: put a
+    checkpoint back with `nnx.update(model, checkpoint.model_params,
+    checkpoint.model_state)`).
 
     >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
     ...                  n_steps=4, n_steps_per_checkpoint=2, stdout=False)
@@ -74,7 +78,7 @@ class TrainLoop:
     when it holds none: `init=CheckpointFileReader(dir="ckpts", target=model.init)`.
 
     Args:
-        init: the model's `init` function, or a `CheckpointFileReader` to
+        init: the model's `init` function or NNX module, or a `CheckpointFileReader` to
             resume from its newest file (its `target` initializes the model
             when the directory holds no checkpoint).
         task: what to train: apply, optimizer, loss and data.
@@ -136,7 +140,7 @@ class TrainLoop:
                 raise ConfigError(f"nonfinite must be one of {NONFINITE_MODES}; got {nonfinite!r}.")
             task = check_train_task(task)
             reader = init if isinstance(init, CheckpointFileReader) else None
-            init_fn = reader.target if reader is not None else init
+            init_fn = as_init(reader.target if reader is not None else init)
             if not callable(init_fn):
                 raise ConfigError(
                     f"init must be a model's init function or a CheckpointFileReader; "
@@ -182,11 +186,14 @@ class TrainLoop:
                     start.model_params, start.model_state, start.optimizer_state, self._step
                 )
             )
+            apply_labels = labels_of(collections, "apply")
+            if is_nnx(task.apply) and not apply_labels:
+                apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
             update = build_update(
-                task.apply,
+                as_apply(task.apply, train=True),
                 task.loss,
                 task.optimizer,
-                labels_of(collections, "apply"),
+                apply_labels,
                 mutable_collections,
                 DATA_AXIS if placement.n_devices > 1 else None,
                 skip_nonfinite=nonfinite == "skip",

@@ -23,7 +23,8 @@ class TrainTask:
     """
 
     apply: Callable[..., Any]
-    r"""an apply function of the model (a linen module's `apply`)."""
+    r"""an apply function of the model (a linen module's `apply`), or an
+    `nnx.Module`, called as `model(*inputs)` in training mode."""
 
     optimizer: optax.GradientTransformation
     r"""an optax optimizer."""
@@ -53,7 +54,8 @@ class EvalTask:
     """
 
     apply: Callable[..., Any]
-    r"""an apply function of the model (a linen module's `apply`)."""
+    r"""an apply function of the model (a linen module's `apply`), or an
+    `nnx.Module`, called as `model(*inputs)` in evaluation mode."""
 
     metrics: Mapping[str, MetricFn]
     r"""metrics by name, each `fn(*outputs, *targets)` returning a value per

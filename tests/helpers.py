@@ -192,3 +192,59 @@ def assert_same_arrays(path: Any, other: Any) -> None:
     assert sorted(a.files) == sorted(b.files)
     for name in a.files:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def nnx_models() -> Any:
+    """NNX models of Flax's MNIST tutorial's kind, sized for the 8x8 digits."""
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        """The tutorial's CNN: convolutions, BatchNorm, Dropout with its own stream."""
+
+        def __init__(self, *, rngs: nnx.Rngs, dropout: float = 0.2):
+            self.conv1 = nnx.Conv(1, 16, kernel_size=(3, 3), rngs=rngs)
+            self.bn1 = nnx.BatchNorm(16, rngs=rngs)
+            self.conv2 = nnx.Conv(16, 32, kernel_size=(3, 3), rngs=rngs)
+            self.bn2 = nnx.BatchNorm(32, rngs=rngs)
+            self.dropout = nnx.Dropout(dropout, rngs=rngs)
+            self.linear1 = nnx.Linear(2 * 2 * 32, 64, rngs=rngs)
+            self.linear2 = nnx.Linear(64, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = x.reshape(-1, 8, 8, 1)
+            x = nnx.avg_pool(nnx.relu(self.bn1(self.conv1(x))), (2, 2), (2, 2))
+            x = nnx.avg_pool(nnx.relu(self.bn2(self.conv2(x))), (2, 2), (2, 2))
+            x = self.dropout(x.reshape(x.shape[0], -1))
+            return self.linear2(nnx.relu(self.linear1(x)))
+
+    class TutorialMLP(nnx.Module):
+        """The other style of Flax's docs: `__call__(x, rngs=None)` passes rngs on."""
+
+        def __init__(self, *, rngs: nnx.Rngs, dropout: float = 0.3):
+            self.linear1 = nnx.Linear(64, 32, rngs=rngs)
+            self.dropout = nnx.Dropout(dropout)
+            self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x, rngs: nnx.Rngs | None = None):
+            return self.linear2(self.dropout(nnx.relu(self.linear1(x)), rngs=rngs))
+
+    class PlainMLP(nnx.Module):
+        """No Dropout, no BatchNorm: N devices must match one exactly."""
+
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.linear1 = nnx.Linear(64, 32, rngs=rngs)
+            self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear2(nnx.relu(self.linear1(x)))
+
+    return CNN, TutorialMLP, PlainMLP
+
+
+def assert_close(a: Any, b: Any, rtol: float, atol: float) -> None:
+    """Two pytrees of one structure agree leaf by leaf (numpy's allclose rule)."""
+    import jax
+
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)

@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--plain-stream", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--batch-delay", type=float, default=0.0)
+    parser.add_argument("--nnx", action="store_true", help="the NNX CNN instead of linen")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -41,16 +42,23 @@ def main() -> None:
         batches,
         cross_entropy,
         digits_split,
+        nnx_models,
     )
 
     x, y, _, _ = digits_split()
     data = batches(x, y, 32) if args.plain_stream else ResumableBatches(x, y, 32, seed=3)
     if args.batch_delay:
         data = SlowBatches(data, args.batch_delay)
-    model = BatchNormDropoutNet()
+    if args.nnx:
+        from flax import nnx
+
+        model = init = apply = nnx_models()[0](rngs=nnx.Rngs(0))
+    else:
+        model = BatchNormDropoutNet()
+        init, apply = model.init, model.apply
     loop = TrainLoop(
-        init=CheckpointFileReader(dir=args.dir, target=model.init),
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, data),
+        init=CheckpointFileReader(dir=args.dir, target=init),
+        task=TrainTask(apply, optax.adam(1e-2), cross_entropy, data),
         rnkey=jax.random.key(42),
         n_steps=args.n_steps,
         n_steps_per_checkpoint=args.every,
@@ -67,11 +75,15 @@ def main() -> None:
             time.sleep(args.sleep)
     if args.out:
         if loop.step == start:  # nothing left to train: take the newest file
-            raw = CheckpointFileReader(dir=args.dir, target=model.init).read_newest()
+            raw = CheckpointFileReader(dir=args.dir, target=init).read_newest()
             state = {"params": raw.model_params, **raw.model_state}
         else:
             state = {"params": checkpoint.model_params, **checkpoint.model_state}
-        flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, state), sep="/")
+        if args.nnx:  # integer keys: name arrays by their paths
+            leaves = jax.tree_util.tree_leaves_with_path(state)
+            flat = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+        else:
+            flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, state), sep="/")
         np.savez(args.out, step=loop.step, **flat)
     print(f"DONE {loop.step}", flush=True)
 

@@ -91,7 +91,7 @@ def test_shape_change_mid_run_is_an_error_not_a_recompile():
     assert loop.step == 3
 
 
-def test_one_compilation_per_loop():
+def test_one_compilation_per_loop(without_compilation_cache):
     compiles = []
 
     def listener(name, duration, **kwargs):
@@ -120,7 +120,7 @@ def loader_epoch(sizes):
     return epoch
 
 
-def test_a_short_last_batch_is_trained_on_with_one_more_compilation():
+def test_a_short_last_batch_is_trained_on_with_one_more_compilation(without_compilation_cache):
     epoch = loader_epoch([32] * 5 + [16])
     compiles = []
 

@@ -1,0 +1,126 @@
+r"""Flax NNX modules in the functional form the loop compiles.
+
+An `nnx.Module` holds its variables. The loop splits it once, at set-up,
+into a graph definition and plain nested dicts (parameters; other state such
+as BatchNorm statistics), and merges them back into a module only inside
+the compiled step, as Flax's own functional examples do: no object graph is
+walked per step, and the caller's module never changes. `nnx.update(model,
+checkpoint.model_params, checkpoint.model_state)` puts a checkpoint back.
+
+Randomness: every RNG stream of the merged module is reseeded each step
+with keys derived from the run's key, the step and the device, so devices
+draw different dropout masks; a `__call__(self, x, rngs=None)` also gets an
+`nnx.Rngs` of those keys.
+
+>>> from flax import nnx
+>>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+>>> functional = NNXModel(model, train=True)
+>>> variables = functional.init(None, np.ones((1, 3)))
+>>> sorted(variables["params"])
+['bias', 'kernel']
+>>> functional.apply(variables, np.ones((4, 3))).shape
+(4, 2)
+"""
+
+import inspect
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.core.scope import CollectionFilter
+
+DEFAULT_STREAM = "default"
+r"""The RNG label an NNX model's streams are reseeded from when none is named."""
+
+
+def is_nnx(value: Any) -> bool:
+    r"""Whether `value` is an NNX module (not a linen function)."""
+    return isinstance(value, nnx.Module)
+
+
+class NNXModel:
+    r"""An `nnx.Module` as linen-style `init` and `apply` functions.
+
+    Args:
+        module: the module; its current values are where training starts.
+        train: whether `apply` runs it in training mode (`module.train()`:
+            dropout on, batch statistics) or evaluation mode (`module.eval()`).
+    """
+
+    def __init__(self, module: nnx.Module, train: bool) -> None:
+        self.graphdef, params, self._rng_state, rest = _split(module)
+        self._params = nnx.to_pure_dict(params)
+        self._rest = nnx.to_pure_dict(rest)
+        self._templates = (params, rest)
+        self._train = train
+        self._takes_rngs = "rngs" in inspect.signature(type(module).__call__).parameters
+
+    def init(self, rngs: Any, *inputs: Any, mutable: CollectionFilter = True) -> dict[str, Any]:
+        r"""The module's current variables: `{"params": ..., **other state}`."""
+        return {"params": self._params, **self._rest}
+
+    def module(self, variables: Any) -> nnx.Module:
+        r"""A new module holding `variables` (inside or outside compiled code)."""
+        variables = dict(variables)
+        params = _state(self._templates[0], variables.pop("params"))
+        rest = _state(self._templates[1], variables)
+        rng_state = jax.tree.map(lambda leaf: leaf, self._rng_state)  # new variables, this trace's
+        module = nnx.merge(self.graphdef, params, rng_state, rest)
+        if self._train:
+            module.train()
+        else:
+            module.eval()
+        return module
+
+    def apply(
+        self,
+        variables: Any,
+        *inputs: Any,
+        rngs: dict[str, jax.Array] | None = None,
+        mutable: CollectionFilter = False,
+    ) -> Any:
+        r"""`module(*inputs)`, as linen's `apply`: the outputs, and with
+        `mutable` the module's new state (`(outputs, {...})`)."""
+        module = self.module(variables)
+        rngs = dict(rngs or {})
+        if rngs:
+            _reseed(module, rngs.get(DEFAULT_STREAM, next(iter(rngs.values()))))
+        if self._takes_rngs and rngs:
+            outputs = module(*inputs, rngs=nnx.Rngs(**rngs))
+        else:
+            outputs = module(*inputs)
+        if mutable in (False, None):
+            return outputs
+        return outputs, nnx.to_pure_dict(_split(module)[3])
+
+
+def _split(module: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
+    r"""The graph definition, parameters, RNG state and other state of a module."""
+    return nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[return-value]
+
+
+def _state(template: nnx.State, values: Any) -> nnx.State:
+    state = jax.tree.map(lambda leaf: leaf, template)  # a copy: templates stay as they are
+    nnx.replace_by_pure_dict(state, values)
+    return state
+
+
+def _reseed(module: nnx.Module, key: jax.Array) -> None:
+    r"""Gives every RNG stream of `module` a key of its own, derived from `key`."""
+    streams = [
+        stream for _, stream in nnx.graph.iter_graph(module) if isinstance(stream, nnx.RngStream)
+    ]
+    for index, stream in enumerate(streams):
+        stream.key.set_value(jax.random.fold_in(key, index))
+        stream.count.set_value(jax.numpy.zeros(stream.count.shape, stream.count.dtype))
+
+
+def as_init(model: Any) -> Any:
+    r"""A linen-style `init`: the function itself, or an NNX module's values."""
+    return NNXModel(model, train=True).init if is_nnx(model) else model
+
+
+def as_apply(model: Any, train: bool) -> Any:
+    r"""A linen-style `apply`: the function itself, or an NNX module's call
+    in training (`train=True`) or evaluation mode."""
+    return NNXModel(model, train).apply if is_nnx(model) else model
