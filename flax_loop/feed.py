@@ -11,15 +11,15 @@ whose `iter()` gives a fresh iterator) is read epoch after epoch; a one-shot
 iterator ends training when it ends.
 
 >>> feed = BatchFeed([(np.zeros((8, 3)), np.zeros(8))] * 2, Placement(), steps_per_dispatch=1)
->>> dispatch = feed.take(remaining=10, stopping=False, next_step=1)
->>> dispatch.n_steps, dispatch.last
-(1, False)
+>>> batch, n_steps, last, short = feed.take(remaining=10, stopping=False, next_step=1)
+>>> n_steps, last, short
+(1, False, False)
 """
 
 import copy
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,21 +37,12 @@ EPOCH = "flax_loop/epoch"
 r"""The key of a re-iterable source's data state: the epoch, and the position in it."""
 
 
-class Dispatch(NamedTuple):
-    r"""What the loop dispatches next."""
-
-    batch: Any
-    r"""one batch, or `n_steps` stacked, placed as the compiled step takes them."""
-
-    n_steps: int
-    r"""the number of steps the batch holds."""
-
-    last: bool
-    r"""whether it ends the interval (its step returns the gradients)."""
-
-    short: bool = False
-    r"""whether it is a stream's (or epoch's) shorter last batch, which needs
-    a step compiled for its size."""
+Dispatch = tuple[Any, int, bool, bool]
+r"""What the loop dispatches next, a plain tuple (the cheapest to make, per
+step): the batch (one, or `n_steps` stacked, placed as the compiled step
+takes them); `n_steps`; whether it ends the interval (its step returns the
+gradients); whether it is a stream's (or epoch's) shorter last batch, which
+needs a step compiled for its size."""
 
 
 class BatchFeed:
@@ -87,6 +78,7 @@ class BatchFeed:
         self._ahead: deque[Batch] = deque()
         self._peeked: Any = _NOTHING  # a raw batch read to see if the stream ends
         self._noted_drop = False
+        self._spec: BatchSpec | None = None
         self.exhausted = False
         first = self._read(for_step=1)
         if first is None:
@@ -94,7 +86,7 @@ class BatchFeed:
                 "task.data yielded no batch: the data stream is empty. Give it "
                 "at least one batch (check the data set's size and batch size)."
             )
-        self.spec = BatchSpec.of(first)
+        self.spec = self._spec = BatchSpec.of(first)
         self.spec.check_batch_axis(placement.n_local_devices)
         distributed.agree("the process-local batch size", self.spec.batch_size)
         self.sample = first
@@ -107,12 +99,17 @@ class BatchFeed:
         return self._source is not None
 
     def samples(self) -> tuple[Any, Any | None]:
-        r"""A placed batch, and `steps_per_dispatch` of them stacked (or `None`),
-        to compile the steps with."""
+        r"""A batch as the steps take it, and `steps_per_dispatch` of them stacked
+        (or `None`), to compile the steps with."""
         stacked = None
         if self._many > 1:
-            stacked = self._placement.shard_batch(_stack([self.sample] * self._many), stacked=True)
-        return self._placement.shard_batch(self.sample), stacked
+            stacked = _stack([self.sample] * self._many)
+            if self._placement.multiprocess:
+                stacked = self._placement.shard_batch(stacked, stacked=True)
+        # On one process, numpy as the steps will take it: an executable
+        # compiled for numpy inputs takes them ~7% faster per small step than
+        # one compiled for placed arrays (benchmarks/loop_overhead.py).
+        return self._place(self.sample), stacked
 
     def take(self, remaining: int, stopping: bool, next_step: int) -> Dispatch | None:
         r"""The next dispatch of an interval with `remaining` steps to go.
@@ -128,34 +125,38 @@ class BatchFeed:
             the dispatch, or `None` if there is no batch (the stream ended,
             or a stop was requested with nothing read ahead).
         """
+        ahead = self._ahead
         if not stopping:
-            if self._many > 1 and remaining > self._many:
-                self._fill(self._many + 1, next_step)
-                if len(self._ahead) > self._many and not any(
-                    self._is_short(self._ahead[index]) for index in range(self._many)
+            many = self._many
+            if many > 1 and remaining > many:
+                self._fill(many + 1, next_step)
+                if len(ahead) > many and not any(
+                    ahead[index][0][0].shape[0] != self._size for index in range(many)
                 ):
-                    group = [self._ahead.popleft() for _ in range(self._many)]
+                    group = [ahead.popleft() for _ in range(many)]
                     stacked = self._placement.shard_batch(_stack(group), stacked=True)
-                    return Dispatch(stacked, self._many, False)
+                    return stacked, many, False, False
             # At the planned end nothing is read ahead: the data state saved
             # with the checkpoint is then that after its last batch.
-            self._fill(1 if remaining == 1 else 2, next_step)
-        if not self._ahead:
+            want = 1 if remaining == 1 else 2
+            while len(ahead) < want and not self.exhausted:
+                self._read_ahead(next_step + len(ahead))
+        if not ahead:
             return None
-        batch = self._ahead.popleft()
-        last = remaining == 1 or stopping or not self._ahead
-        return Dispatch(self._place(batch), 1, last, self._is_short(batch))
-
-    def _is_short(self, batch: Batch) -> bool:
-        return bool(batch[0][0].shape[0] != self._size)
+        batch = ahead.popleft()
+        last = remaining == 1 or stopping or not ahead
+        return self._place(batch), 1, last, batch[0][0].shape[0] != self._size
 
     def _fill(self, count: int, next_step: int) -> None:
         while len(self._ahead) < count and not self.exhausted:
-            batch = self._read(next_step + len(self._ahead))
-            if batch is None:
-                self.exhausted = True
-            else:
-                self._ahead.append(batch)
+            self._read_ahead(next_step + len(self._ahead))
+
+    def _read_ahead(self, for_step: int) -> None:
+        batch = self._read(for_step)
+        if batch is None:
+            self.exhausted = True
+        else:
+            self._ahead.append(batch)
 
     def _read(self, for_step: int) -> Batch | None:
         r"""The batch for `for_step`, normalized and validated; `None` at the end."""
@@ -175,7 +176,7 @@ class BatchFeed:
                 f"flax_loop: raised by task.data while reading the batch for step {for_step}"
             )
             raise
-        spec = getattr(self, "spec", None)
+        spec = self._spec
         if spec is not None:
             fast = spec.fast_path(raw)
             if fast is not None:

@@ -25,17 +25,16 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax.core.scope import CollectionFilter, DenyList
 
 from flax_loop import distributed
 from flax_loop.batch import normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader
 from flax_loop.console import describe_model
-from flax_loop.errors import ConfigError, DataExhaustedError, NonFiniteError, check_count
+from flax_loop.errors import ConfigError, DataExhaustedError, check_count
 from flax_loop.feed import BatchFeed
 from flax_loop.initial import InitFn, initial_state
+from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
 from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
@@ -147,7 +146,6 @@ class TrainLoop:
                     f"got {init_fn!r}."
                 )
             self._stdout = stdout
-            self._raise_nonfinite = nonfinite == "raise"
             self._guard = PreemptionGuard(preemption_signals)
             self._report = ProgressReport(console()) if progress and is_main_process() else None
             self._placement = placement = Placement(devices)
@@ -178,8 +176,6 @@ class TrainLoop:
                 self._feed.restore(start.data_state, stdout)
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)
-            self._checkpoint_step = self._step
-            self._key = key
             self._train_key = placement.replicate(train_key(key))
             self._state = placement.replicate(
                 TrainState.create(
@@ -203,8 +199,9 @@ class TrainLoop:
                 update, placement, self._state, batch, stacked, self._train_key, steps_per_dispatch
             )
             self._state = self._steps.state
-            self._grads: Any = None
-            self._last: Checkpoint | None = None
+            self._intervals = Intervals(
+                self._steps, placement, self._feed, key, nonfinite == "raise", self._step
+            )
             setup_seconds = time.perf_counter() - started
             log(describe_model(start.model_params, placement.n_devices, setup_seconds), stdout)
 
@@ -341,83 +338,42 @@ class TrainLoop:
         # The per-step path reads locals only: at ~25 us a step (a small MLP on
         # this CPU), each attribute lookup or call here is measurable.
         steps, take, key, guard = self._steps, self._feed.take, self._train_key, self._guard
+        intervals = self._intervals
         queue = InFlight(self._placement.dispatch_depth)
         # Several processes must stop at the same step: they agree on it at
         # the checkpoint, never between steps.
         may_stop = not self._placement.multiprocess
         loss: Any = None
-        while self._step < boundary:
-            dispatch = take(boundary - self._step, may_stop and guard.requested, self._step + 1)
+        step = self._step
+        while step < boundary:
+            dispatch = take(boundary - step, may_stop and guard.requested, step + 1)
             if dispatch is None:
                 break
-            if dispatch.short:
-                self._state, loss, grads = steps.shorter(self._state, dispatch.batch, key)
-                self._grads = grads if dispatch.last else self._grads
-            elif dispatch.n_steps > 1:
-                self._state, loss = steps.many(self._state, dispatch.batch, key)  # type: ignore[misc]
-            elif dispatch.last:
-                self._state, loss, self._grads = steps.last(self._state, dispatch.batch, key)
+            batch, n_steps, last, short = dispatch
+            if short:
+                self._state, loss, grads = steps.shorter(self._state, batch, key)
+                if last:
+                    intervals.grads = grads
+            elif n_steps > 1:
+                self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
+            elif last:
+                self._state, loss, intervals.grads = steps.last(self._state, batch, key)
             else:
-                self._state, loss = steps.one(self._state, dispatch.batch, key)
-            self._step += dispatch.n_steps
+                self._state, loss = steps.one(self._state, batch, key)
+            self._step = step = step + n_steps
             queue.push(loss)
             if report is not None:
-                report.advance(self._step)
-            if dispatch.last:
+                report.advance(step)
+            if last:
                 break
         preempted = self._stop_requested()
-        if self._step == self._checkpoint_step and not preempted:
+        if self._step == self._intervals.start and not preempted:
             return None
-        checkpoint = self._checkpoint(loss, time.perf_counter() - started, preempted)
+        self._state, checkpoint = self._intervals.close(
+            self._state, self._step, loss, time.perf_counter() - started, preempted
+        )
+        if preempted:
+            self._guard.clear()
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
-
-    def _checkpoint(self, loss: Any, elapsed: float, preempted: bool) -> Checkpoint:
-        n_completed = self._step - self._checkpoint_step
-        state = self._state
-        params, model_state, optimizer_state = self._placement.copy(
-            (state.model_params, state.model_state, state.optimizer_state)
-        )
-        if n_completed:
-            self._state, result = self._steps.finish_interval(state, self._grads, loss, n_completed)
-            if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
-                where = (
-                    f"at step {result.first_nonfinite}"
-                    if result.first_nonfinite
-                    else f"between steps {self._checkpoint_step + 1} and {self._step}"
-                )
-                raise NonFiniteError(
-                    f"The loss or a gradient was NaN or infinite {where} (detected at "
-                    f"step {self._step}). Lower the learning rate, check the data for "
-                    "NaN or Inf, or pass nonfinite='skip' to TrainLoop to skip such "
-                    "updates."
-                )
-            grads, loss_value = self._grads, result.loss
-            n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
-            train_metrics = {"loss": mean_loss, **result.metrics}
-        else:  # stopped before any step of this interval
-            previous = self._last
-            n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
-            grads = previous.grads if previous else jax.tree.map(jnp.zeros_like, params)
-            loss_value = previous.loss if previous else float("nan")
-        if preempted:
-            self._guard.clear()
-        self._checkpoint_step = self._step
-        self._last = Checkpoint(
-            model_params=params,
-            model_state=model_state,
-            optimizer_state=optimizer_state,
-            grads=grads,
-            loss=loss_value,
-            n_completed_steps=n_completed,
-            elapsed_time=elapsed,
-            step=self._step,
-            mean_loss=mean_loss,
-            n_nonfinite_steps=n_nonfinite,
-            train_metrics=train_metrics,
-            preempted=preempted,
-            rnkey=self._key,
-            data_state=self._feed.state(self._step),
-        )
-        return self._last

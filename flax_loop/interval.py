@@ -1,0 +1,102 @@
+r"""The end of an interval: its statistics read once, the non-finite check, the `Checkpoint`.
+
+The loop runs steps; at each checkpoint `Intervals.close` copies the state
+(the copies outlive the loop's donated buffers), closes the interval on the
+devices (one host transfer of its statistics), raises for non-finite values
+and assembles the `Checkpoint` with the data state of that moment.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flax_loop.checkpoint import Checkpoint
+from flax_loop.errors import NonFiniteError
+from flax_loop.feed import BatchFeed
+from flax_loop.parallel import Placement
+from flax_loop.state import TrainState
+from flax_loop.step import CompiledSteps
+
+
+class Intervals:
+    r"""A loop's intervals between checkpoints.
+
+    Args:
+        steps: the compiled steps (their `finish_interval`).
+        placement: the devices.
+        feed: the data feed (its state goes into each checkpoint).
+        rnkey: the run's key, stored with each checkpoint.
+        raise_nonfinite: whether a non-finite loss or gradient raises.
+        step: the step the first interval starts after.
+    """
+
+    def __init__(
+        self,
+        steps: CompiledSteps,
+        placement: Placement,
+        feed: BatchFeed,
+        rnkey: jax.Array,
+        raise_nonfinite: bool,
+        step: int,
+    ) -> None:
+        self._steps, self._placement, self._feed = steps, placement, feed
+        self._rnkey, self._raise_nonfinite = rnkey, raise_nonfinite
+        self.start = step
+        r"""the step the current interval started after."""
+        self.grads: Any = None
+        r"""the gradients of the interval's last step (the loop sets them)."""
+        self._last: Checkpoint | None = None
+
+    def close(
+        self, state: TrainState, step: int, loss: Any, elapsed: float, preempted: bool
+    ) -> tuple[TrainState, Checkpoint]:
+        r"""The interval's checkpoint at `step`, and the state to go on with.
+
+        Raises:
+            NonFiniteError: if a loss or gradient of the interval was not
+                finite and the loop was told to raise.
+        """
+        n_completed = step - self.start
+        params, model_state, optimizer_state = self._placement.copy(
+            (state.model_params, state.model_state, state.optimizer_state)
+        )
+        if n_completed:
+            state, result = self._steps.finish_interval(state, self.grads, loss, n_completed)
+            if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
+                where = (
+                    f"at step {result.first_nonfinite}"
+                    if result.first_nonfinite
+                    else f"between steps {self.start + 1} and {step}"
+                )
+                raise NonFiniteError(
+                    f"The loss or a gradient was NaN or infinite {where} (detected at "
+                    f"step {step}). Lower the learning rate, check the data for NaN or "
+                    "Inf, or pass nonfinite='skip' to TrainLoop to skip such updates."
+                )
+            grads, loss_value = self.grads, result.loss
+            n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
+            train_metrics = {"loss": mean_loss, **result.metrics}
+        else:  # stopped before any step of this interval
+            previous = self._last
+            n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
+            grads = previous.grads if previous else jax.tree.map(jnp.zeros_like, params)
+            loss_value = previous.loss if previous else float("nan")
+        self.start = step
+        self._last = Checkpoint(
+            model_params=params,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            grads=grads,
+            loss=loss_value,
+            n_completed_steps=n_completed,
+            elapsed_time=elapsed,
+            step=step,
+            mean_loss=mean_loss,
+            n_nonfinite_steps=n_nonfinite,
+            train_metrics=train_metrics,
+            preempted=preempted,
+            rnkey=self._rnkey,
+            data_state=self._feed.state(step),
+        )
+        return state, self._last
