@@ -120,7 +120,8 @@ def functional(make_model, batches, n_devices, depth):
         params, rest, opt_state = state
 
         def loss_fn(params):
-            module = nnx.merge(graphdef, params, rest)
+            # copies of the variables at this trace level, so BatchNorm can update them
+            module = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
             if n_devices > 1:  # each device its own dropout masks
                 device = jax.lax.axis_index("data")
                 nnx.reseed(module, default=jax.random.fold_in(jax.random.key(0), device))

@@ -26,6 +26,7 @@ from flax_loop.checkpoint import (
 from flax_loop.console import SummaryLogger
 from flax_loop.errors import FlaxLoopError
 from flax_loop.evaluation import EvalLoop
+from flax_loop.jsonlines import JsonLinesWriter
 from flax_loop.log import set_console
 from flax_loop.loop import TrainLoop
 from flax_loop.parallel import DATA_AXIS
@@ -49,6 +50,7 @@ __all__ = [
     "EvalTask",
     "FlaxLoopError",
     "HighestCheckpointFileReader",
+    "JsonLinesWriter",
     "HighestCheckpointFileWriter",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",

@@ -10,11 +10,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from flax_loop.checkpoint import Checkpoint
 from flax_loop.errors import NonFiniteError
 from flax_loop.feed import BatchFeed
-from flax_loop.parallel import Placement
+from flax_loop.parallel import Placement, to_host
 from flax_loop.state import TrainState
 from flax_loop.step import CompiledSteps
 
@@ -76,7 +78,7 @@ class Intervals:
                 )
             grads, loss_value = self.grads, result.loss
             n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
-            train_metrics = {"loss": mean_loss, **result.metrics}
+            train_metrics = {"loss": mean_loss, **result.metrics, **hyperparameters(state)}
         else:  # stopped before any step of this interval
             previous = self._last
             n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
@@ -100,3 +102,22 @@ class Intervals:
             data_state=self._feed.state(step),
         )
         return state, self._last
+
+
+def hyperparameters(state: TrainState) -> dict[str, float]:
+    r"""The scalar hyperparameters of an `optax.inject_hyperparams` optimizer,
+    as its last step used them (e.g. a schedule's `learning_rate`)."""
+    found: dict[str, Any] = {}
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    injected = [
+        leaf
+        for leaf in jax.tree.leaves(
+            state.optimizer_state, is_leaf=lambda node: isinstance(node, kinds)
+        )
+        if isinstance(leaf, kinds)
+    ]
+    for injected_state in injected:
+        for name, value in injected_state.hyperparams.items():
+            if np.ndim(value) == 0 and name not in found:
+                found[name] = value
+    return {name: float(value) for name, value in to_host(found).items()}

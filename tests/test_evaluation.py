@@ -307,3 +307,28 @@ def test_serial_pipeline_of_every_processor(tmp_path):
     assert raw.metrics["eval"]["accuracy"] == pytest.approx(
         summaries[-1].metrics["eval"]["accuracy"]
     )
+
+
+def test_json_lines_writer_appends_one_record_per_summary(checkpoint, tmp_path):
+    import json
+
+    from flax_loop import JsonLinesWriter
+
+    path = tmp_path / "logs" / "metrics.jsonl"
+    summary = Summary(
+        metrics={"train": {"loss": 0.5}, "eval": {"accuracy": 0.9, "bad": float("nan")}},
+        **vars(checkpoint),
+    )
+    with JsonLinesWriter(str(path)) as writer:
+        assert writer(summary) is summary
+        writer(checkpoint)  # a plain checkpoint: its train statistics
+    with JsonLinesWriter(str(path)) as again:  # a restart appends
+        again(summary)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 3
+    assert records[0]["step"] == checkpoint.step and records[0]["eval/accuracy"] == 0.9
+    assert records[0]["eval/bad"] is None and records[0]["train/loss"] == 0.5
+    assert records[1]["train/loss"] == pytest.approx(float(checkpoint.mean_loss))
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.read_json(path, lines=True)
+    assert list(frame["step"]) == [checkpoint.step] * 3

@@ -469,3 +469,25 @@ def test_training_metrics_from_the_loss_are_interval_means(n_devices):
         assert checkpoint.train_metrics["loss"] == pytest.approx(loss_mean, rel=1e-5)
         assert checkpoint.mean_loss == checkpoint.train_metrics["loss"]
     assert train_statistics(second)["accuracy"] == second.train_metrics["accuracy"]
+
+
+def test_injected_hyperparameters_are_reported_as_the_last_step_used_them():
+    schedule = optax.linear_schedule(0.1, 0.0, transition_steps=100)
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    loop = make_loop(1, optimizer, n_steps=30, n_steps_per_checkpoint=10)
+    for checkpoint in loop:
+        used = float(schedule(checkpoint.step - 1))  # step s's update used count s - 1
+        assert checkpoint.train_metrics["learning_rate"] == pytest.approx(used, rel=1e-6)
+
+
+def test_gradient_accumulation_with_multisteps_equals_one_large_batch():
+    big = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 128), 3))
+    micro = [(x[i : i + 32], y[i : i + 32]) for x, y in big for i in range(0, 128, 32)]
+    accumulated = make_loop(
+        1, optax.MultiSteps(optax.sgd(0.5), every_k_schedule=4), data=iter(micro),
+        n_steps=12, n_steps_per_checkpoint=12,
+    )  # fmt: skip
+    plain = make_loop(1, optax.sgd(0.5), data=iter(big), n_steps=3, n_steps_per_checkpoint=3)
+    (a,), (b,) = list(accumulated), list(plain)
+    assert a.step == 12 and b.step == 3  # steps count micro-batches
+    assert relative_difference(a.model_params, b.model_params) < 1e-5

@@ -1,0 +1,58 @@
+"""A restarted run compiles nothing: JAX's persistent compilation cache (README: "Start fast")."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.helpers import ROOT
+
+PROGRAM = textwrap.dedent(
+    """
+    import time
+    started = time.perf_counter()
+    import jax
+    hits, compiles = [], []
+    jax.monitoring.register_event_listener(
+        lambda name, **kwargs: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None
+    )
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, duration, **kwargs: compiles.append(name)
+        if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    from tests.helpers import digits_loop
+    loop = digits_loop(n_steps=2, devices=jax.devices()[:2])
+    checkpoint = loop.next_checkpoint()
+    print(f"HITS {len(hits)} COMPILES {len(compiles)} STEP {checkpoint.step}")
+    """
+)
+
+
+def set_up(cache_dir):
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("HITS"))
+    _, hits, _, compiles, _, step = line.split()
+    assert step == "1"
+    return int(hits), int(compiles)
+
+
+def test_a_second_process_set_up_hits_the_persistent_cache(tmp_path):
+    # JAX reports a compilation event whether it compiled or took the result
+    # from the cache; cache hits are counted apart.
+    first_hits, first_compilations = set_up(tmp_path / "cache")
+    assert first_hits == 0 and first_compilations >= 4  # init, the step variants, ...
+    assert os.listdir(tmp_path / "cache")
+    second_hits, second_compilations = set_up(tmp_path / "cache")
+    assert second_compilations == first_compilations
+    assert second_hits == first_compilations  # every one came from the cache
