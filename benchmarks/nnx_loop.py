@@ -221,8 +221,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat")
     parser.add_argument("--json", default=os.path.join("benchmarks", "results", "nnx_loop.json"))
+    parser.add_argument("--only", default=None, help="run one workload")
+    parser.add_argument("--devices", type=int, default=None, help="run one device count")
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    repeats = 1 if args.quick else 5
+    repeats = 1 if args.quick else args.repeats
     print(
         f"JAX {jax.__version__}, flax {__import__('flax').__version__}, {os.cpu_count()} cores, "
         f"{N_DEVICES} forced CPU devices; medians of {repeats} rounds; "
@@ -233,9 +236,11 @@ def main():
     )
     rows = []
     for name, spec in WORKLOADS.items():
+        if args.only and name != args.only:
+            continue
         batches = make_batches(spec["shape"], spec["batch"])
         n_steps = spec["steps"] // (5 if args.quick else 1)
-        for n_devices in (1, 4):
+        for n_devices in (1, 4) if args.devices is None else (args.devices,):
             depth = Placement(jax.devices()[:n_devices]).dispatch_depth
             runs = {
                 "TrainLoop": managed(spec["model"], batches, n_devices),

@@ -17,7 +17,8 @@ from flax.core.scope import CollectionFilter
 
 from flax_loop.checkpoint import CheckpointFile, CheckpointFileReader
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
-from flax_loop.random import init_key, into_collection
+from flax_loop.log import log
+from flax_loop.random import init_key, into_collection, same_key
 
 InitFn = Callable[..., Any]
 r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""
@@ -46,6 +47,19 @@ class InitialState(NamedTuple):
 
     path: str | None = None
     r"""the file resumed from; `None` for a fresh start."""
+
+    def run_key(self, given: jax.Array, stdout: bool) -> jax.Array:
+        r"""The run's key: the one stored in the file resumed from, so that the
+        run stays one random stream (saying so when it differs from `given`)."""
+        if self.rnkey is None:
+            return given
+        if not same_key(self.rnkey, given):
+            log(
+                "The checkpoint's run key differs from rnkey: training continues with "
+                "the checkpoint's, so that the run stays one random stream.",
+                stdout=stdout,
+            )
+        return self.rnkey
 
 
 def initial_state(

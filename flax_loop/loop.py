@@ -40,7 +40,7 @@ from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
-from flax_loop.random import as_typed_key, labels_of, same_key, train_key
+from flax_loop.random import as_typed_key, labels_of, train_key
 from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, CompiledSteps, build_update
 from flax_loop.task import TrainTask, check_train_task
@@ -166,13 +166,7 @@ class TrainLoop:
                 reader,
             )
             if start.path is not None:
-                if start.rnkey is not None and not same_key(start.rnkey, key):
-                    log(
-                        "The checkpoint's run key differs from rnkey: training continues "
-                        "with the checkpoint's, so that the run stays one random stream.",
-                        stdout=stdout,
-                    )
-                key = key if start.rnkey is None else start.rnkey
+                key = start.run_key(key, stdout)
                 self._feed.restore(start.data_state, stdout)
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)

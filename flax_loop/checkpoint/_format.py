@@ -14,9 +14,7 @@ nothing in a file is ever executed when it is read.
 """
 
 import os
-import queue
 import struct
-import threading
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
@@ -25,6 +23,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+from flax_loop.checkpoint._checksums import Checksums
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
 from flax_loop.parallel import to_host
 
@@ -40,61 +39,6 @@ MAX_DEPTH = 64
 r"""The deepest nesting a file's tree or metadata may have (real states nest < 20)."""
 MAX_STEP = 2**31 - 1
 r"""The largest step a file may hold: the loop counts steps in an int32."""
-
-
-class _Checksums:
-    r"""Running CRC32s computed on a worker thread, overlapping file I/O.
-
-    `zlib.crc32` and file reads and writes release the GIL, so checksumming
-    chunk k while chunk k + 1 is read or written takes the time of the slower
-    of the two, not of both (measured here: 2.7 -> 3.9 GB/s writing 1 GiB).
-    A plain thread, not an executor: background writes may run while the
-    interpreter exits, when executors no longer accept work.
-
-    >>> with _Checksums() as checksums:
-    ...     for chunk in (b"flax", b"_loop"):
-    ...         checksums.add(memoryview(chunk))
-    ...     crc = checksums.result()    # of the chunks added since the last result
-    >>> crc == zlib.crc32(b"flax_loop")
-    True
-    """
-
-    _END = object()
-
-    def __init__(self) -> None:
-        self._chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="flax_loop-crc32", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        checksum = 0
-        while (chunk := self._chunks.get()) is not None:
-            if chunk is self._END:
-                self._results.put(checksum)
-                checksum = 0
-            else:
-                try:
-                    checksum = zlib.crc32(chunk, checksum)
-                except BaseException as error:  # hand it to the caller of result()
-                    checksum = error  # type: ignore[assignment]
-
-    def add(self, chunk: memoryview) -> None:
-        self._chunks.put(chunk)
-
-    def result(self) -> int:
-        self._chunks.put(self._END)
-        value = self._results.get()
-        if isinstance(value, BaseException):
-            raise value
-        return int(value)
-
-    def __enter__(self) -> "_Checksums":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._chunks.put(None)
-        self._thread.join()
 
 
 _DTYPES = {
@@ -166,7 +110,7 @@ def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
         offset += array.nbytes
         return msgpack.ExtType(_ARRAY_REF, struct.pack("<I", len(table) - 1))
 
-    with _Checksums() as checksums:
+    with Checksums() as checksums:
         encoded = _map_leaves(tree, store)
     footer = msgpack.packb(
         {
@@ -240,7 +184,7 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
                 f"{path} has an inconsistent header: format {footer.get('format')!r} "
                 f"version {footer.get('version')!r} against header version {version}."
             )
-        with _Checksums() as checksums:
+        with Checksums() as checksums:
             arrays = [
                 _read_array(stream, path, i, entry, data_end, checksums)
                 for i, entry in enumerate(_entries(path, footer))
@@ -319,7 +263,7 @@ def _read_array(
     index: int,
     entry: dict[str, Any],
     data_end: int,
-    checksums: _Checksums,
+    checksums: Checksums,
 ) -> np.ndarray:
     dtype = _DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
     shape = entry.get("shape")
