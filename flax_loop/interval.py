@@ -48,6 +48,8 @@ class Intervals:
         r"""the step the current interval started after."""
         self.grads: Any = None
         r"""the gradients of the interval's last step (the loop sets them)."""
+        self.losses: list[jax.Array] = []
+        r"""the interval's losses as the steps returned them (the loop appends)."""
         self._last: Checkpoint | None = None
 
     def close(
@@ -63,6 +65,9 @@ class Intervals:
         params, model_state, optimizer_state = self._placement.copy(
             (state.model_params, state.model_state, state.optimizer_state)
         )
+        losses, self.losses = self.losses, []
+        parts = [np.reshape(x, -1) for x in jax.device_get(losses)]
+        history = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if n_completed:
             state, result = self._steps.finish_interval(state, self.grads, loss, n_completed)
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
@@ -97,6 +102,7 @@ class Intervals:
             mean_loss=mean_loss,
             n_nonfinite_steps=n_nonfinite,
             train_metrics=train_metrics,
+            losses=history.astype(np.float32),
             preempted=preempted,
             rnkey=self._rnkey,
             data_state=self._feed.state(step),

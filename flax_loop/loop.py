@@ -333,6 +333,7 @@ class TrainLoop:
         # this CPU), each attribute lookup or call here is measurable.
         steps, take, key, guard = self._steps, self._feed.take, self._train_key, self._guard
         intervals = self._intervals
+        losses = intervals.losses  # every dispatch's loss(es), read once at the checkpoint
         queue = InFlight(self._placement.dispatch_depth)
         # Several processes must stop at the same step: they agree on it at
         # the checkpoint, never between steps.
@@ -355,6 +356,7 @@ class TrainLoop:
             else:
                 self._state, loss = steps.one(self._state, batch, key)
             self._step = step = step + n_steps
+            losses.append(loss)
             queue.push(loss)
             if report is not None:
                 report.advance(step)

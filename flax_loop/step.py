@@ -156,7 +156,7 @@ def compile_update(
             `n_steps` batches stacked along a new leading axis.
         key: the replicated key.
         n_steps: steps per call; more than one runs them in a `jax.lax.scan`
-            over the stacked batches, returning the last step's loss.
+            over the stacked batches, returning every step's loss.
         with_grads: whether the call also returns the (last step's) gradients.
         on_mesh: whether to run it under `shard_map`, binding `DATA_AXIS`; by
             default only on several devices (on one, `shard_map` costs ~11%).
@@ -175,8 +175,7 @@ def compile_update(
                 state, (loss, _) = update(state, batch, key)
                 return state, loss
 
-            state, losses = jax.lax.scan(body, state, batches)
-            return state, losses[-1]
+            return jax.lax.scan(body, state, batches)  # every step's loss
         state, (loss, grads) = update(state, batches, key)
         return (state, loss, grads) if with_grads else (state, loss)
 
@@ -275,5 +274,10 @@ class CompiledSteps:
 
         metrics = {name: mean(total) for name, total in metric_sums.items()}
         return state, IntervalResult(
-            float(loss), mean(loss_sum), n_nonfinite, first_nonfinite, bool(finite), metrics
+            float(np.reshape(loss, -1)[-1]),
+            mean(loss_sum),
+            n_nonfinite,
+            first_nonfinite,
+            bool(finite),
+            metrics,
         )

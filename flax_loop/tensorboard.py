@@ -62,11 +62,19 @@ class SummaryWriter:
             for group, metrics in summary.metrics.items()
             for name, value in metrics.items()
         ]
+        now = time.time()
+        losses = summary.losses if summary.losses is not None else ()
+        first = int(summary.step) - len(losses) + 1
+        for offset, step_loss in enumerate(losses):  # the interval's curve, step by step
+            value = summary_pb2.Summary.Value(tag="train/step_loss", simple_value=float(step_loss))
+            writer.write_event(
+                event_pb2.Event(
+                    wall_time=now, step=first + offset, summary=summary_pb2.Summary(value=[value])
+                )
+            )
         writer.write_event(
             event_pb2.Event(
-                wall_time=time.time(),
-                step=int(summary.step),
-                summary=summary_pb2.Summary(value=values),
+                wall_time=now, step=int(summary.step), summary=summary_pb2.Summary(value=values)
             )
         )
         writer.flush()

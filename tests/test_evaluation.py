@@ -301,8 +301,13 @@ def test_serial_pipeline_of_every_processor(tmp_path):
         "regular.20.ckpt",
         "regular.30.ckpt",
     ]
-    accuracies = [value for _, value in read_events(str(tmp_path / "tb"))["eval/accuracy"]]
+    events = read_events(str(tmp_path / "tb"))
+    accuracies = [value for _, value in events["eval/accuracy"]]
     assert accuracies == pytest.approx([s.metrics["eval"]["accuracy"] for s in summaries])
+    # Every step's loss, at its own step: the training curve.
+    losses = np.concatenate([s.losses for s in summaries])
+    assert [step for step, _ in events["train/step_loss"]] == list(range(1, 31))
+    assert [value for _, value in events["train/step_loss"]] == pytest.approx(losses.tolist())
     raw = CheckpointFileReader(dir=str(tmp_path / "ckpt"), target=None).read_newest()
     assert raw.metrics["eval"]["accuracy"] == pytest.approx(
         summaries[-1].metrics["eval"]["accuracy"]

@@ -491,3 +491,23 @@ def test_gradient_accumulation_with_multisteps_equals_one_large_batch():
     (a,), (b,) = list(accumulated), list(plain)
     assert a.step == 12 and b.step == 3  # steps count micro-batches
     assert relative_difference(a.model_params, b.model_params) < 1e-5
+
+
+@pytest.mark.parametrize("steps_per_dispatch", [1, 4])
+def test_checkpoints_hold_every_steps_loss(steps_per_dispatch):
+    every_step = [
+        c.loss for c in make_loop(1, optax.sgd(0.1), n_steps=12, n_steps_per_checkpoint=1)
+    ]
+    loop = make_loop(
+        1,
+        optax.sgd(0.1),
+        n_steps=12,
+        n_steps_per_checkpoint=6,
+        steps_per_dispatch=steps_per_dispatch,
+    )
+    checkpoints = list(loop)
+    history = np.concatenate([c.losses for c in checkpoints])
+    assert [len(c.losses) for c in checkpoints] == [6, 6] and history.dtype == np.float32
+    np.testing.assert_allclose(history, every_step, rtol=1e-6)
+    assert checkpoints[-1].losses[-1] == np.float32(checkpoints[-1].loss)
+    assert np.mean(checkpoints[0].losses) == pytest.approx(checkpoints[0].mean_loss, rel=1e-6)

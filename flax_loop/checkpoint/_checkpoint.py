@@ -62,6 +62,11 @@ class Checkpoint:
     loss function returns with it (`loss -> (loss, {"accuracy": ...})`), as
     floats; the logger and TensorBoard show them in the "train" group."""
 
+    losses: Any = field(default=None, kw_only=True, repr=False)
+    r"""every step's loss in the interval, a float32 numpy array of
+    `n_completed_steps` (kept on the devices while training and read once
+    here); `None` for a checkpoint not made by a loop."""
+
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
 
