@@ -274,9 +274,14 @@ def run_worker(directory, n_steps, *args, devices=4):
 
 
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
-    run_worker(tmp_path / "straight", 30, "--out", tmp_path / "straight.npz")
-    first = run_worker(tmp_path / "resumed", 10)
-    assert "WROTE 10" in first and "DONE 10" in first
+    first = run_worker(tmp_path / "straight", 30, "--keep", 3, "--out", tmp_path / "straight.npz")
+    assert "WROTE 10" in first and "DONE 30" in first
+    # The straight run's step-10 file, as a run stopped there would have left it.
+    import shutil
+
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    for step in (20, 30):
+        os.remove(tmp_path / "resumed" / f"regular.{step}.ckpt")
     second = run_worker(tmp_path / "resumed", 30, "--out", tmp_path / "resumed.npz")
     assert "Resumed from step 10" in " ".join(second.split())
     assert "START 10" in second and "WROTE 30" in second

@@ -180,9 +180,14 @@ def test_files_resume_from_the_module_and_start_from_it_when_empty(tmp_path):
 
 
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
+    import os
+    import shutil
+
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(resume_worker(straight, 20, "--nnx", "--devices", 2, "--out", tmp_path / "a.npz"))
-    run(resume_worker(resumed, 10, "--nnx", "--devices", 2))
-    out = run(resume_worker(resumed, 20, "--nnx", "--devices", 2, "--out", tmp_path / "b.npz"))
+    options = ["--nnx", "--devices", 2, "--keep", 2]
+    run(resume_worker(straight, 20, *options, "--out", tmp_path / "a.npz"))
+    shutil.copytree(straight, resumed)  # the step-10 file, as a run stopped there left it
+    os.remove(resumed / "regular.20.ckpt")
+    out = run(resume_worker(resumed, 20, *options, "--out", tmp_path / "b.npz"))
     assert "START 10" in out
     assert_same_arrays(tmp_path / "a.npz", tmp_path / "b.npz")
