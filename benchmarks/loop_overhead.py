@@ -21,6 +21,7 @@ N_DEVICES = 4
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N_DEVICES}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import itertools  # noqa: E402
 import resource  # noqa: E402
@@ -33,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from harness import make_batches, timed_loop  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
@@ -76,17 +78,6 @@ WORKLOADS = {
         model=MLP((32, 10)), shape=(64,), batch=32, steps=6000, devices=(1,), rngs=[]
     ),
 }
-
-
-def make_batches(shape, batch, count=16, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            rng.normal(size=(batch, *shape)).astype(np.float32),
-            rng.integers(0, 10, batch).astype(np.int32),
-        )
-        for _ in range(count)
-    ]
 
 
 def hand_written(model, optimizer, batches, n_devices, rngs, depth):
@@ -172,13 +163,7 @@ def managed(model, optimizer, batches, n_devices, rngs, steps_per_dispatch=1):
         **({"steps_per_dispatch": steps_per_dispatch} if steps_per_dispatch > 1 else {}),
     )
 
-    def run(n_steps):
-        started = time.perf_counter()
-        for _ in loop.run(loop.step + n_steps):
-            pass
-        return time.perf_counter() - started
-
-    return run
+    return timed_loop(loop)
 
 
 def hand_written_scan(model, optimizer, batches, steps_per_call):

@@ -24,6 +24,7 @@ N_DEVICES = 4
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N_DEVICES}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import itertools  # noqa: E402
 import statistics  # noqa: E402
@@ -35,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from harness import make_batches, timed_loop  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
@@ -78,17 +80,6 @@ WORKLOADS = {
 
 def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def make_batches(shape, batch, count=16, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            rng.normal(size=(batch, *shape)).astype(np.float32),
-            rng.integers(0, 10, batch).astype(np.int32),
-        )
-        for _ in range(count)
-    ]
 
 
 def timed(step_fn, batches, depth):
@@ -191,13 +182,7 @@ def managed(make_model, batches, n_devices):
         stdout=False,
     )
 
-    def run(n_steps):
-        started = time.perf_counter()
-        for _ in loop.run(loop.step + n_steps):
-            pass
-        return time.perf_counter() - started
-
-    return run
+    return timed_loop(loop)
 
 
 def measure(runs, n_steps, repeats):
