@@ -185,7 +185,8 @@ class BatchFeed:
             batch = normalize_batch(raw)
         except BatchError as error:
             raise BatchError(f"The batch for step {for_step}: {error}") from error
-        if spec is not None and spec.shorter(batch) and self._ends_after():
+        smaller = spec is not None and batch[0][0].shape[:1] < (self._size,)
+        if smaller and spec.shorter(batch) and self._ends_after():  # type: ignore[union-attr]
             # A stream's shorter last batch (a DataLoader's, tf.data's): trained
             # on if it splits over the devices, else dropped, never an error.
             size = batch[0][0].shape[0]
