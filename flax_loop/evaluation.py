@@ -179,7 +179,7 @@ class EvalLoop:
                 f"Process {counts.index(0)} has no eval batch (batches per process: "
                 f"{counts}); give every process at least one."
             )
-        n = self._placement.n_local_devices
+        n = self._placement.n_local_shards
         largest = max(max(np.shape(b[0][0])[0] for b in batches), 1)
         pad_to = max(distributed.gather(-(-largest // n) * n))
         empty = jax.tree.map(lambda leaf: np.asarray(leaf)[:0], batches[0])
@@ -188,7 +188,7 @@ class EvalLoop:
     def _pad(self, batch: Batch, pad_to: int | None = None) -> tuple[Any, Any, Any]:
         inputs, targets = batch
         size = leading_size([np.shape(leaf) for leaf in inputs + targets])
-        n = self._placement.n_local_devices
+        n = self._placement.n_local_shards
         padded = -(-size // n) * n
         if self._batch_size is None:
             self._batch_size = padded

@@ -87,7 +87,7 @@ class BatchFeed:
                 "at least one batch (check the data set's size and batch size)."
             )
         self.spec = self._spec = BatchSpec.of(first)
-        self.spec.check_batch_axis(placement.n_local_devices)
+        self.spec.check_batch_axis(placement.n_local_shards)
         distributed.agree("the process-local batch size", self.spec.batch_size)
         self.sample = first
         self._size = self.spec.batch_size
@@ -190,11 +190,11 @@ class BatchFeed:
             # A stream's shorter last batch (a DataLoader's, tf.data's): trained
             # on if it splits over the devices, else dropped, never an error.
             size = batch[0][0].shape[0]
-            if size % self._placement.n_local_devices or self._placement.multiprocess:
+            if size % self._placement.n_local_shards or self._placement.multiprocess:
                 if not self._noted_drop:
                     log(
                         f"The stream's last batch holds {size} examples, which do not "
-                        f"split over {self._placement.n_local_devices} devices: it is "
+                        f"split over {self._placement.n_local_shards} devices: it is "
                         "dropped (each time the source ends with it)."
                     )
                     self._noted_drop = True

@@ -6,6 +6,7 @@ r"""The state training starts from: a model's `init`, or a checkpoint file.
 (0, True)
 """
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -15,13 +16,19 @@ import optax
 from flax.core import unfreeze
 from flax.core.scope import CollectionFilter
 
-from flax_loop.checkpoint import CheckpointFile, CheckpointFileReader
+from flax_loop.checkpoint import CheckpointFile, CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.random import init_key, into_collection, same_key
 
 InitFn = Callable[..., Any]
 r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""
+
+Reader = CheckpointFileReader | OrbaxCheckpointReader
+r"""Where a resumed loop reads its state from."""
+
+Layout = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
+r"""`layout(params, model_state, optimizer_state) -> their shardings`."""
 
 
 class InitialState(NamedTuple):
@@ -69,12 +76,16 @@ def initial_state(
     inputs: tuple[Any, ...],
     init_labels: Sequence[str],
     mutable_collections: CollectionFilter,
-    reader: CheckpointFileReader | None = None,
+    reader: Reader | None = None,
+    layout: Layout | None = None,
 ) -> InitialState:
     r"""The newest file of `reader`'s directory, or a fresh initialization.
 
     Resuming never runs the model's `init`: the file is restored into the
-    shapes and dtypes `init` would give (`jax.eval_shape`).
+    shapes and dtypes `init` would give (`jax.eval_shape`). With a `layout`
+    (the shardings of parameters, model state and optimizer state, given
+    their shapes), a fresh state is created in it and a reader that can
+    restores into it directly.
 
     Raises:
         InitError: if `init` fails or returns no `params`.
@@ -87,8 +98,18 @@ def initial_state(
         return params, model_state, _init_optimizer(optimizer, params)
 
     key = init_key(rnkey)
+    template = _guarded(lambda: jax.eval_shape(start, key, *inputs), init, inputs, init_labels)
+    shardings = None if layout is None else layout(*template)
+    if shardings is not None:
+        template = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            template,
+            shardings,
+        )
+    # In one process the state is created in its layout (never whole on one
+    # device); several processes create it on their own and place it later.
+    place = shardings if shardings is not None and jax.process_count() == 1 else None
     if reader is not None:
-        template = _guarded(lambda: jax.eval_shape(start, key, *inputs), init, inputs, init_labels)
         restored = reader.restore(
             CheckpointFile(
                 model_params=template[0],
@@ -97,6 +118,17 @@ def initial_state(
                 step=0,
             )
         )
+        if restored is not None and restored.optimizer_state is None:
+            log(f"Training starts from the parameters in {restored.path}.")
+            params = restored.model_params
+            _, model_state, _ = _guarded(
+                lambda: jax.jit(start, out_shardings=place)(key, *inputs), init, inputs, init_labels
+            )
+            optimizer_state = jax.jit(
+                functools.partial(_init_optimizer, optimizer),
+                out_shardings=None if place is None else place[2],
+            )(params)
+            return InitialState(params, model_state, optimizer_state, 0)
         if restored is not None:
             return InitialState(
                 restored.model_params,
@@ -108,7 +140,7 @@ def initial_state(
                 restored.path,
             )
     params, model_state, optimizer_state = _guarded(
-        lambda: jax.jit(start)(key, *inputs), init, inputs, init_labels
+        lambda: jax.jit(start, out_shardings=place)(key, *inputs), init, inputs, init_labels
     )
     return InitialState(params, model_state, optimizer_state, 0)
 

@@ -26,14 +26,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from flax.core.scope import CollectionFilter, DenyList
+from jax.sharding import Mesh
 
 from flax_loop import distributed
 from flax_loop.batch import normalize_group
-from flax_loop.checkpoint import Checkpoint, CheckpointFileReader
+from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.console import describe_model
 from flax_loop.errors import ConfigError, DataExhaustedError, check_count
 from flax_loop.feed import BatchFeed
-from flax_loop.initial import InitFn, initial_state
+from flax_loop.initial import InitFn, Reader, initial_state
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
 from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
@@ -41,6 +42,13 @@ from flax_loop.parallel import DATA_AXIS, InFlight, Placement
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, labels_of, train_key
+from flax_loop.sharding import (
+    DEFAULT_FSDP_MIN_BYTES,
+    Sharding,
+    check_sharding,
+    is_replicated,
+    state_shardings,
+)
 from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, CompiledSteps, build_update
 from flax_loop.task import TrainTask, check_train_task
@@ -77,9 +85,9 @@ class TrainLoop:
     when it holds none: `init=CheckpointFileReader(dir="ckpts", target=model.init)`.
 
     Args:
-        init: the model's `init` function or NNX module, or a `CheckpointFileReader` to
-            resume from its newest file (its `target` initializes the model
-            when the directory holds no checkpoint).
+        init: the model's `init` function or NNX module, or a `CheckpointFileReader`
+            (or `OrbaxCheckpointReader`) to resume from its newest checkpoint
+            (its `target` initializes the model when the directory holds none).
         task: what to train: apply, optimizer, loss and data.
         rnkey: the run's key, `jax.random.key(seed)` or `PRNGKey(seed)`.
         input_sample: inputs to initialize the model with; by default the
@@ -104,6 +112,16 @@ class TrainLoop:
         steps_per_dispatch: steps per compiled call (a `jax.lax.scan` over
             stacked batches), for models so small that dispatching a step
             costs more than computing it. Checkpoints keep their steps.
+        sharding: where the parameters and optimizer state live:
+            "replicated" (every device holds them), "fsdp" (leaves of at
+            least `fsdp_min_bytes` split along their largest dimension the
+            device count divides), or `rule(path, leaf) -> PartitionSpec` over
+            the parameters (the optimizer state follows). Checkpoints keep
+            the layout.
+        mesh: a `jax.sharding.Mesh` with a "data" axis to train on instead of
+            `devices` (the batch is split along "data"; a rule may use the
+            other axes, e.g. "model" for tensor parallelism).
+        fsdp_min_bytes: with "fsdp", leaves smaller than this stay replicated.
 
     Raises:
         ConfigError: for an invalid argument.
@@ -114,7 +132,7 @@ class TrainLoop:
 
     def __init__(
         self,
-        init: InitFn | CheckpointFileReader,
+        init: InitFn | Reader,
         task: TrainTask,
         rnkey: Any,
         input_sample: Any = None,
@@ -129,6 +147,9 @@ class TrainLoop:
         progress: bool = False,
         preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
         steps_per_dispatch: int = 1,
+        sharding: Sharding = "replicated",
+        mesh: Mesh | None = None,
+        fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
     ) -> None:
         with distributed.failing_together():
             started = time.perf_counter()
@@ -138,7 +159,9 @@ class TrainLoop:
             if nonfinite not in NONFINITE_MODES:
                 raise ConfigError(f"nonfinite must be one of {NONFINITE_MODES}; got {nonfinite!r}.")
             task = check_train_task(task)
-            reader = init if isinstance(init, CheckpointFileReader) else None
+            reader = (
+                init if isinstance(init, (CheckpointFileReader, OrbaxCheckpointReader)) else None
+            )
             init_fn = as_init(reader.target if reader is not None else init)
             if not callable(init_fn):
                 raise ConfigError(
@@ -148,7 +171,9 @@ class TrainLoop:
             self._stdout = stdout
             self._guard = PreemptionGuard(preemption_signals)
             self._report = ProgressReport(console()) if progress and is_main_process() else None
-            self._placement = placement = Placement(devices)
+            sharding = check_sharding(sharding)
+            fsdp_min_bytes = check_count("fsdp_min_bytes", fsdp_min_bytes, 0)
+            self._placement = placement = Placement(devices, mesh)
             self._feed = BatchFeed(task.data, placement, steps_per_dispatch)
             inputs = (
                 self._feed.sample[0]
@@ -156,6 +181,14 @@ class TrainLoop:
                 else normalize_group(input_sample, "input_sample")
             )
             key = as_typed_key(rnkey)
+
+            def layout(params: Any, model_state: Any, optimizer_state: Any) -> Any:
+                template = TrainState.create(params, model_state, optimizer_state, 0)
+                shardings = state_shardings(
+                    sharding, placement, template, task.optimizer, fsdp_min_bytes
+                )
+                return shardings.model_params, shardings.model_state, shardings.optimizer_state
+
             start = initial_state(
                 init_fn,
                 task.optimizer,
@@ -164,6 +197,7 @@ class TrainLoop:
                 labels_of(collections, "init"),
                 mutable_collections,
                 reader,
+                layout,
             )
             if start.path is not None:
                 key = start.run_key(key, stdout)
@@ -171,11 +205,17 @@ class TrainLoop:
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)
             self._train_key = placement.replicate(train_key(key))
-            self._state = placement.replicate(
-                TrainState.create(
-                    start.model_params, start.model_state, start.optimizer_state, self._step
-                )
+            created = TrainState.create(
+                start.model_params, start.model_state, start.optimizer_state, self._step
             )
+            shardings = None
+            if is_replicated(sharding):
+                self._state = placement.replicate(created)
+            else:
+                shardings = state_shardings(
+                    sharding, placement, created, task.optimizer, fsdp_min_bytes
+                )
+                self._state = placement.place(created, shardings)
             apply_labels = labels_of(collections, "apply")
             if is_nnx(task.apply) and not apply_labels:
                 apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
@@ -185,12 +225,19 @@ class TrainLoop:
                 task.optimizer,
                 apply_labels,
                 mutable_collections,
-                DATA_AXIS if placement.n_devices > 1 else None,
+                DATA_AXIS if placement.n_devices > 1 or shardings is not None else None,
                 skip_nonfinite=nonfinite == "skip",
             )
             batch, stacked = self._feed.samples()
             self._steps = CompiledSteps(
-                update, placement, self._state, batch, stacked, self._train_key, steps_per_dispatch
+                update,
+                placement,
+                self._state,
+                batch,
+                stacked,
+                self._train_key,
+                steps_per_dispatch,
+                shardings,
             )
             self._state = self._steps.state
             self._intervals = Intervals(

@@ -11,7 +11,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from flax_loop.errors import ConfigError
 
@@ -37,7 +38,23 @@ class Placement:
     True
     """
 
-    def __init__(self, devices: Sequence[Any] | None = None) -> None:
+    def __init__(self, devices: Sequence[Any] | None = None, mesh: Mesh | None = None) -> None:
+        if mesh is not None:
+            if devices is not None:
+                raise ConfigError("pass devices or mesh, not both: a mesh names its devices.")
+            if not isinstance(mesh, Mesh) or DATA_AXIS not in mesh.shape:
+                raise ConfigError(
+                    f"mesh must be a jax.sharding.Mesh with a {DATA_AXIS!r} axis (the batch "
+                    f"is split along it), e.g. jax.make_mesh((2, 2), ('data', 'model')); "
+                    f"got {mesh!r}."
+                )
+            devices = list(mesh.devices.flat)
+            # XLA places the collectives (GSPMD): axes of the Explicit type
+            # (jax.make_mesh's default) would make every sharded op spell out
+            # its output's layout.
+            mesh = Mesh(
+                mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim
+            )
         if devices is None:
             devices = jax.devices()
         devices = list(devices)
@@ -55,13 +72,20 @@ class Placement:
         if len(set(devices)) != len(devices):
             raise ConfigError(f"devices lists a device twice: {devices}.")
         self.devices = devices
-        self.mesh = Mesh(np.array(devices), (DATA_AXIS,))
+        self.mesh = mesh if mesh is not None else Mesh(np.array(devices), (DATA_AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
         self.stacked_batch_sharding = NamedSharding(self.mesh, PartitionSpec(None, DATA_AXIS))
         process = jax.process_index()
         self.local_devices = [d for d in devices if d.process_index == process]
         self.multiprocess = len(self.local_devices) != len(devices)
+        # The batch is split into one shard per position along the data axis;
+        # a process holds the shards of the positions its devices sit at.
+        positions = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(DATA_AXIS), 0)
+        self.n_shards = positions.shape[0]
+        self.n_local_shards = sum(
+            any(d.process_index == process for d in np.ravel(row)) for row in positions
+        )
 
     @property
     def n_devices(self) -> int:
@@ -83,21 +107,24 @@ class Placement:
 
     def replicate(self, tree: Any) -> Any:
         r"""Places a pytree of host or device arrays on every device."""
-        if not self.multiprocess:
-            return jax.device_put(tree, self.replicated)
+        return self.place(tree, jax.tree.map(lambda _: self.replicated, tree))
 
-        def place(leaf: Any) -> jax.Array:
-            if isinstance(leaf, jax.Array) and leaf.sharding == self.replicated:
+    def place(self, tree: Any, shardings: Any) -> Any:
+        r"""Places a pytree of host or device arrays with the given shardings
+        (a tree of `NamedSharding`s of the same structure)."""
+        if not self.multiprocess:
+            return jax.device_put(tree, shardings)
+
+        def place(leaf: Any, sharding: NamedSharding) -> jax.Array:
+            if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
                 return leaf
             if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-                data = place(jax.random.key_data(leaf))
+                data = place(jax.random.key_data(leaf), sharding)
                 return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
             host = to_host(leaf)
-            return jax.make_array_from_callback(
-                host.shape, self.replicated, lambda index: host[index]
-            )
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-        return jax.tree.map(place, tree)
+        return jax.tree.map(place, tree, shardings)
 
     def copy(self, tree: Any) -> Any:
         r"""Fresh device copies of a pytree of arrays, kept in their layout.
@@ -165,11 +192,37 @@ class InFlight:
 
 
 def to_host(tree: Any) -> Any:
-    r"""Numpy copies of a pytree of replicated or single-device arrays."""
+    r"""Numpy copies of a pytree of arrays.
+
+    An array split over several processes' devices is gathered from all of
+    them: a collective, so every process must call it at the same point.
+    """
 
     def fetch(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            return np.asarray(leaf.addressable_data(0))
+            if leaf.sharding.is_fully_replicated:
+                return np.asarray(leaf.addressable_data(0))
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return np.asarray(leaf)
 
     return jax.tree.map(fetch, tree)
+
+
+def gather_split(tree: Any) -> Any:
+    r"""The tree with each array split over several processes gathered into
+    a numpy array (the other leaves as they are).
+
+    A collective when the tree holds such arrays: every process calls it at
+    the same point, with trees of the same structure.
+    """
+
+    def gather(leaf: Any) -> Any:
+        if (
+            isinstance(leaf, jax.Array)
+            and not leaf.is_fully_addressable
+            and not leaf.sharding.is_fully_replicated
+        ):
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        return leaf
+
+    return jax.tree.map(gather, tree)

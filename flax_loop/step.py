@@ -136,6 +136,9 @@ def build_update(
     return update
 
 
+UPDATE_MODES = ("jit", "shard_map", "gspmd")
+
+
 def compile_update(
     update: Update,
     placement: Placement,
@@ -144,46 +147,56 @@ def compile_update(
     key: jax.Array,
     n_steps: int = 1,
     with_grads: bool = False,
-    on_mesh: bool | None = None,
+    mode: str = "jit",
+    shardings: TrainState | None = None,
 ) -> jax.stages.Compiled:
     r"""Compiles the update once for the placement, donating the state.
 
     Args:
         update: the per-device update from `build_update`.
         placement: the devices to run on.
-        state: the replicated state (used for its shapes and layout).
+        state: the state (used for its shapes and layout).
         batch: a batch (used for its shapes and layout); with `n_steps > 1`,
             `n_steps` batches stacked along a new leading axis.
         key: the replicated key.
         n_steps: steps per call; more than one runs them in a `jax.lax.scan`
             over the stacked batches, returning every step's loss.
         with_grads: whether the call also returns the (last step's) gradients.
-        on_mesh: whether to run it under `shard_map`, binding `DATA_AXIS`; by
-            default only on several devices (on one, `shard_map` costs ~11%).
+        mode: how the per-device update runs over the devices: `"jit"` (one
+            device, no collectives; `shard_map` costs ~11% there),
+            `"shard_map"` (a replicated state: the update runs on every
+            device, binding `DATA_AXIS`), or `"gspmd"` (a sharded state: the
+            update is mapped over the batch's shards with `jax.vmap`, which
+            binds `DATA_AXIS` too, and XLA places the collectives the state's
+            shardings need).
+        shardings: the state's `NamedSharding`s (`"gspmd"`; replicated otherwise).
 
     Returns:
         the compiled `update(state, batch, key) -> (state, loss)`, or
         `-> (state, loss, grads)` with `with_grads`; it accepts only arrays of
         these shapes.
     """
-    batch_spec = PartitionSpec(None, DATA_AXIS) if n_steps > 1 else PartitionSpec(DATA_AXIS)
+    stacked = n_steps > 1
+    one_step = _sharded_update(update, placement) if mode == "gspmd" else update
 
     def steps(state: TrainState, batches: Batch, key: jax.Array) -> Any:
-        if n_steps > 1:
+        if stacked:
 
             def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
-                state, (loss, _) = update(state, batch, key)
+                state, (loss, _) = one_step(state, batch, key)
                 return state, loss
 
             return jax.lax.scan(body, state, batches)  # every step's loss
-        state, (loss, grads) = update(state, batches, key)
+        state, (loss, grads) = one_step(state, batches, key)
         return (state, loss, grads) if with_grads else (state, loss)
 
-    if on_mesh if on_mesh is not None else placement.n_devices > 1:
+    replicated = placement.replicated
+    if mode == "shard_map":
         # check_vma=False keeps pmap's semantics: per-device gradients, then an
         # explicit pmean. With the default, differentiating w.r.t. replicated
         # parameters already sums over the axis and the update is N times too
         # large (DESIGN.md).
+        batch_spec = PartitionSpec(None, DATA_AXIS) if stacked else PartitionSpec(DATA_AXIS)
         steps = jax.shard_map(
             steps,
             mesh=placement.mesh,
@@ -191,8 +204,44 @@ def compile_update(
             out_specs=PartitionSpec(),
             check_vma=False,
         )
-    jitted = jax.jit(steps, donate_argnums=0, out_shardings=placement.replicated)
+    if mode != "gspmd" or shardings is None:
+        jitted = jax.jit(steps, donate_argnums=0, out_shardings=replicated)
+    else:
+        batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
+        outputs = (shardings, replicated, shardings.model_params)
+        jitted = jax.jit(
+            steps,
+            donate_argnums=0,
+            in_shardings=(shardings, batch_sharding, replicated),
+            out_shardings=outputs if with_grads and not stacked else outputs[:2],
+        )
     return jitted.lower(state, batch, key).compile()
+
+
+def _sharded_update(update: Update, placement: Placement) -> Update:
+    r"""The per-device update over a batch split into the data axis's shards.
+
+    `jax.vmap` over the shards, naming the axis `DATA_AXIS`, computes what
+    `shard_map` computes on a replicated state (each shard's loss, keys and
+    BatchNorm statistics; gradients averaged by `pmean`), so a sharded run
+    follows the replicated one; XLA partitions the mapped axis over the
+    devices and gathers or scatters the state's shards as its layout needs.
+    """
+    n_shards = placement.n_shards
+    batch_sharding = placement.batch_sharding
+
+    def sharded(state: TrainState, batch: Batch, key: jax.Array) -> Any:
+        split = jax.tree.map(
+            lambda leaf: leaf.reshape(n_shards, leaf.shape[0] // n_shards, *leaf.shape[1:]), batch
+        )
+        split = jax.lax.with_sharding_constraint(split, batch_sharding)
+        mapped = jax.vmap(update, in_axes=(None, 0, None), axis_name=DATA_AXIS, axis_size=n_shards)(
+            state, split, key
+        )
+        # pmean leaves every output equal across the shards; take shard 0's.
+        return jax.tree.map(lambda leaf: leaf[0], mapped)
+
+    return sharded
 
 
 class CompiledSteps:
@@ -213,39 +262,48 @@ class CompiledSteps:
         stacked: Batch | None,
         key: jax.Array,
         steps_per_dispatch: int,
+        shardings: TrainState | None = None,
     ) -> None:
-        on_mesh = placement.n_devices > 1
+        if shardings is not None:
+            mode = "gspmd"
+        else:
+            mode = "shard_map" if placement.n_devices > 1 else "jit"
+        compile_with = functools.partial(compile_update, update, placement, mode=mode)
         try:
-            self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+            self.one = compile_with(state, batch, key, shardings=shardings)
         except NameError as error:
             # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
             # one device: bind the axis with a one-device mesh.
-            if on_mesh or f"unbound axis name: {DATA_AXIS}" not in str(error):
+            if mode != "jit" or f"unbound axis name: {DATA_AXIS}" not in str(error):
                 raise
-            on_mesh = True
-            self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+            mode = "shard_map"
+            compile_with = functools.partial(compile_update, update, placement, mode=mode)
+            self.one = compile_with(state, batch, key)
         sums = self.one.out_info[0].metric_sums
         if set(sums) != set(state.metric_sums):  # the loss reports metrics: carry their sums
             zeros = {name: np.zeros((), np.float32) for name in sums}
             state = state._replace(metric_sums=placement.replicate(zeros))
-            self.one = compile_update(update, placement, state, batch, key, on_mesh=on_mesh)
+            if shardings is not None:
+                shardings = shardings._replace(
+                    metric_sums={name: placement.replicated for name in sums}
+                )
+            self.one = compile_with(state, batch, key, shardings=shardings)
         self.state = state
         r"""the state to start from (with the metric sums the loss needs)."""
-        self.last = compile_update(
-            update, placement, state, batch, key, with_grads=True, on_mesh=on_mesh
-        )
+        self.last = compile_with(state, batch, key, with_grads=True, shardings=shardings)
         self._compile = functools.partial(
-            compile_update, update, placement, key=key, with_grads=True, on_mesh=on_mesh
+            compile_with, key=key, with_grads=True, shardings=shardings
         )
         self._shorter: dict[Any, Callable[..., Any]] = {}
         self.many: Callable[..., Any] | None = None
         if stacked is not None:
-            self.many = compile_update(
-                update, placement, state, stacked, key, n_steps=steps_per_dispatch, on_mesh=on_mesh
+            self.many = compile_with(
+                state, stacked, key, n_steps=steps_per_dispatch, shardings=shardings
             )
-        reset_sharding = (placement.replicated, placement.replicated)
+        replicated = placement.replicated
+        state_sharding = replicated if shardings is None else shardings
         self._close_interval = (
-            jax.jit(close_interval, donate_argnums=0, out_shardings=reset_sharding)
+            jax.jit(close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated))
             .lower(state, state.model_params)
             .compile()
         )

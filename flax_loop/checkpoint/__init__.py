@@ -8,6 +8,12 @@ from flax_loop.checkpoint._best import (
 )
 from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile
+from flax_loop.checkpoint._orbax import (
+    HighestOrbaxCheckpointWriter,
+    LowestOrbaxCheckpointWriter,
+    OrbaxCheckpointReader,
+    OrbaxCheckpointWriter,
+)
 from flax_loop.checkpoint._reader import CheckpointFileReader
 from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
 from flax_loop.checkpoint._writer import CheckpointFileWriter
@@ -24,7 +30,11 @@ __all__ = [
     "HighestCheckpointFileWriter",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
+    "HighestOrbaxCheckpointWriter",
+    "LowestOrbaxCheckpointWriter",
     "Metrics",
+    "OrbaxCheckpointReader",
+    "OrbaxCheckpointWriter",
     "Summary",
     "as_summary",
     "expect",

@@ -2,6 +2,7 @@ r"""Writing checkpoints to files, keeping the newest `keep` of them."""
 
 import atexit
 import copy
+import dataclasses
 import os
 import sys
 import threading
@@ -16,7 +17,7 @@ from flax_loop.checkpoint._file import REGULAR_PREFIX, CheckpointFile
 from flax_loop.checkpoint._lock import DirectoryLock
 from flax_loop.errors import CheckpointError, ConfigError, check_count
 from flax_loop.log import is_main_process, log
-from flax_loop.parallel import to_host
+from flax_loop.parallel import gather_split, to_host
 
 EXIT_CODE_WRITE_FAILED = 75
 r"""The exit status of a process whose last background write failed at exit."""
@@ -37,7 +38,9 @@ class CheckpointFileWriter:
     beyond `keep` are removed only once the new one is in place. While open,
     a writer holds a lock on its kind of files in the directory, so that two
     runs cannot delete each other's files. With several processes, process
-    0 writes.
+    0 writes; every process calls the writer (a state split over the
+    processes' devices is gathered into process 0's memory, so it must fit
+    there; `OrbaxCheckpointWriter` writes each process's shards instead).
 
     With `background=True` the caller waits only for the state's copy to host
     memory; serialization, checksums and the file write run on a worker
@@ -93,14 +96,20 @@ class CheckpointFileWriter:
                 already in the directory are left intact.
         """
         expect(checkpoint, Checkpoint, type(self).__name__)
+        file = to_file(checkpoint)
+        # State split over several processes comes to process 0's host: every
+        # process takes part in gathering it.
+        arrays = gather_split((file.model_params, file.model_state, file.optimizer_state))
         if not is_main_process():
             return checkpoint
+        file = dataclasses.replace(
+            file, model_params=arrays[0], model_state=arrays[1], optimizer_state=arrays[2]
+        )
         self.wait()  # one write at a time: never race the previous one
         prefix = prefix or self._prefix()
         self._check_later_files(prefix, int(checkpoint.step))  # before locking: a refusal
         self._lock(prefix)  # leaves the directory free
         self._check_later_files(prefix, int(checkpoint.step))  # now that no one else writes
-        file = to_file(checkpoint)
         if not self.background:
             self._save(prefix, file)
             return checkpoint

@@ -1,0 +1,476 @@
+r"""Checkpoints through Orbax: every process writes its own shards, asynchronously.
+
+A state split over several hosts cannot be gathered into one file; Orbax
+(tensorstore) writes each process's shards of each array in parallel, and
+restores them into any layout, on any number of devices. The directory is an
+Orbax `CheckpointManager`'s: a folder per step holding the arrays
+(`state`) and flax_loop's metadata (`meta`: step, metrics, run key, data
+state). Needs `pip install flax_loop[orbax]`.
+
+>>> writer = OrbaxCheckpointWriter(output_dir=str(tmp / "orbax"), keep=2)
+>>> for checkpoint in loop:
+...     _ = writer(checkpoint)
+>>> writer.close()
+>>> OrbaxCheckpointReader(dir=str(tmp / "orbax"), target=model.init).steps()
+[3, 4]
+"""
+
+import atexit
+import base64
+import math
+import operator
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import msgpack
+import numpy as np
+
+from flax_loop.checkpoint._best import read_metric
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
+from flax_loop.checkpoint._file import CheckpointFile, restore_key
+from flax_loop.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+    check_count,
+)
+from flax_loop.log import log
+from flax_loop.random import key_data
+
+FORMAT_NAME = "flax_loop.orbax"
+FORMAT_VERSION = 1
+STATE_ITEM, META_ITEM = "state", "meta"
+PARTS = ("model_params", "model_state", "optimizer_state")
+
+
+def _orbax() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as error:  # pragma: no cover - orbax comes with flax
+        raise ConfigError(
+            "Orbax checkpoints need orbax-checkpoint: pip install 'flax_loop[orbax]'."
+        ) from error
+    return ocp
+
+
+def _manager(directory: str, keep: int | None, read_only: bool) -> Any:
+    ocp = _orbax()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, read_only=read_only, create=not read_only
+    )
+    return ocp.CheckpointManager(
+        os.path.abspath(directory), options=options, item_names=(STATE_ITEM, META_ITEM)
+    )
+
+
+def _encode_meta(file: CheckpointFile) -> dict[str, Any]:
+    meta: dict[str, Any] = {"step": int(file.step), "metrics": file.metrics or {}}
+    if file.rnkey is not None:
+        impl, data = key_data(file.rnkey)
+        meta["rnkey"] = {"impl": impl, "data": np.asarray(data).tolist()}
+    if file.data_state is not None:
+        meta["data_state"] = file.data_state
+    packed = msgpack.packb(meta, use_bin_type=True)
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": int(file.step),
+        "meta": base64.b64encode(packed).decode(),
+    }
+
+
+def _decode_meta(stored: Any, where: str) -> dict[str, Any]:
+    try:
+        if stored.get("format") != FORMAT_NAME:
+            raise ValueError(f"format {stored.get('format')!r}")
+        meta = msgpack.unpackb(base64.b64decode(stored["meta"]), strict_map_key=False)
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            raise ValueError("no step")
+        return meta
+    except Exception as error:
+        raise CheckpointCorruptError(
+            f"{where} is damaged: its flax_loop metadata cannot be read ({error})."
+        ) from error
+
+
+_open_writers: "weakref.WeakSet[OrbaxCheckpointWriter]" = weakref.WeakSet()
+
+
+@dataclass
+class OrbaxCheckpointWriter:
+    r"""Writes checkpoints through Orbax, keeping the newest `keep` steps.
+
+    Every process must call it: each writes its own shards of the arrays, in
+    the background (the call returns once the arrays are copied off the
+    devices). Pending writes finish at the next write, at `wait()`, at
+    `close()` and at interpreter exit. A crash mid-write leaves the earlier
+    steps intact (Orbax renames a finished step into place).
+    """
+
+    output_dir: str
+    r"""a directory path for the checkpoints (one folder per step)."""
+
+    keep: int = 1
+    r"""the number of newest checkpoints to keep."""
+
+    overwrite: bool | None = None
+    r"""what to do with steps of the same or a later number left by an earlier
+    run: by default (`None`) the same step is replaced and a later one is an
+    error; `True` deletes them; `False` makes any of them an error."""
+
+    background: bool = field(default=True, kw_only=True)
+    r"""whether writes run in the background (Orbax's asynchronous save)."""
+
+    def __post_init__(self) -> None:
+        check_count("keep", self.keep, 1)
+        if not isinstance(self.output_dir, (str, os.PathLike)):
+            raise ConfigError(f"output_dir must be a path; got {type(self.output_dir).__name__}.")
+        if self.overwrite not in (None, True, False):
+            raise ConfigError(f"overwrite must be None, True or False; got {self.overwrite!r}.")
+        self.output_dir = os.fspath(self.output_dir)
+        self._manager: Any = None
+
+    def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
+        r"""Writes a checkpoint (or a summary, with its metrics) and returns it."""
+        return self.write(checkpoint)
+
+    def write(self, checkpoint: Checkpoint | Summary) -> Checkpoint | Summary:
+        r"""Writes `checkpoint` as a step of the directory and prunes older steps.
+
+        Raises:
+            ConfigError: if `checkpoint` is not a `Checkpoint` or `Summary`.
+            CheckpointError: if a later step is in the way, or Orbax fails.
+        """
+        expect(checkpoint, Checkpoint, type(self).__name__)
+        ocp = _orbax()
+        manager = self._open()
+        step = int(checkpoint.step)
+        manager.wait_until_finished()
+        self._make_room(manager, step)
+        metrics: Any = checkpoint.metrics if isinstance(checkpoint, Summary) else {}
+        file = CheckpointFile(
+            model_params=checkpoint.model_params,
+            model_state=checkpoint.model_state,
+            optimizer_state=checkpoint.optimizer_state,
+            step=step,
+            metrics=metrics,
+            rnkey=checkpoint.rnkey,
+            data_state=checkpoint.data_state,
+        )
+        state = {part: getattr(file, part) for part in PARTS}
+        try:
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        STATE_ITEM: ocp.args.StandardSave(state),
+                        META_ITEM: ocp.args.JsonSave(_encode_meta(file)),
+                    }
+                ),
+                force=True,
+            )
+            if not self.background:
+                manager.wait_until_finished()
+        except Exception as error:
+            raise CheckpointError(
+                f"Orbax failed to write step {step} to {self.output_dir!r}: "
+                f"{type(error).__name__}: {error}. The steps already there are intact."
+            ) from error
+        return checkpoint
+
+    def _open(self) -> Any:
+        if self._manager is None:
+            self._manager = _manager(self.output_dir, self.keep, read_only=False)
+            _open_writers.add(self)
+        return self._manager
+
+    def _make_room(self, manager: Any, step: int) -> None:
+        manager.reload()
+        existing = sorted(manager.all_steps())
+        in_the_way = [s for s in existing if s > step or (s == step and self.overwrite is False)]
+        if in_the_way and self.overwrite is not True:
+            raise CheckpointError(
+                f"Cannot write step {step} to {self.output_dir!r}: it holds step "
+                f"{in_the_way[0]}, which this writer would replace or delete. Resume "
+                "from it (init=OrbaxCheckpointReader(dir=...)), write to another "
+                "output_dir, or pass overwrite=True to replace it."
+            )
+        for old in existing:
+            if old >= step:
+                manager.delete(old)
+
+    def wait(self) -> None:
+        r"""Waits for a background write in progress."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        r"""Finishes pending writes and releases the directory."""
+        manager, self._manager = self._manager, None
+        _open_writers.discard(self)
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
+
+    def __enter__(self) -> "OrbaxCheckpointWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+@atexit.register
+def _finish_pending_writes() -> None:
+    for writer in list(_open_writers):
+        try:
+            writer.close()
+        except Exception as error:  # at exit, report rather than lose it
+            log(f"[red]An Orbax checkpoint write failed at exit:[/red] {error}")
+
+
+@dataclass
+class OrbaxCheckpointReader:
+    r"""A reader of the newest intact step of an Orbax checkpoint directory.
+
+    As `CheckpointFileReader`, it goes where a model's `init` goes
+    (`TrainLoop(init=OrbaxCheckpointReader(dir=..., target=model.init))`):
+    the loop resumes from the newest step, restored straight into its own
+    layout (any device count, any sharding), or starts afresh when the
+    directory holds no checkpoint. A directory holding one Orbax checkpoint
+    of parameters only (say, pretrained weights saved with
+    `orbax.checkpoint.StandardCheckpointer`) starts training at step 0 from
+    those parameters.
+    """
+
+    dir: str
+    r"""a directory written by `OrbaxCheckpointWriter` (or holding parameters only)."""
+
+    target: Any
+    r"""the init function of the model the checkpoint belongs to."""
+
+    def __call__(self, initializer: CheckpointFile) -> CheckpointFile:
+        r"""The newest step restored into `initializer`'s structure, or
+        `initializer` itself when the directory holds no checkpoint."""
+        restored = self.restore(initializer)
+        return initializer if restored is None else restored
+
+    def steps(self) -> list[int]:
+        r"""The steps the directory holds, oldest first."""
+        if not os.path.isdir(self.dir) or self._holds_parameters_only():
+            return []
+        return sorted(_manager(self.dir, None, read_only=True).all_steps())
+
+    def _holds_parameters_only(self) -> bool:
+        return any(
+            os.path.exists(os.path.join(self.dir, name))
+            for name in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
+        )
+
+    def restore(self, template: CheckpointFile) -> CheckpointFile | None:
+        r"""The newest intact step restored into `template`'s structure.
+
+        Args:
+            template: the state at step 0 (arrays, or `jax.ShapeDtypeStruct`s
+                whose `sharding` says where each restored array goes; without
+                one, it goes to the first local device).
+
+        Returns:
+            the state as `jax.Array`s in the template's layout, or `None` when
+            the directory holds no checkpoint. From a directory of parameters
+            only, the file has `step=0` and no optimizer or model state.
+
+        Raises:
+            CheckpointMismatchError: if the checkpoint holds another model.
+            CheckpointCorruptError: if steps exist but none can be read.
+        """
+        if not isinstance(template, CheckpointFile):
+            raise ConfigError(
+                f"Cannot restore a checkpoint from {self.dir!r}: the template must "
+                f"be a CheckpointFile; got {type(template).__name__}."
+            )
+        if not os.path.isdir(self.dir):
+            return None
+        if self._holds_parameters_only():
+            return self._restore_parameters(template)
+        manager = _manager(self.dir, None, read_only=True)
+        problems = []
+        for step in sorted(manager.all_steps(), reverse=True):
+            where = os.path.join(self.dir, str(step))
+            try:
+                return self._restore_step(manager, step, template, where)
+            except CheckpointMismatchError:
+                raise
+            except Exception as error:
+                problems.append(f"{where}: {error}")
+                log(f"[yellow]Skipped a damaged Orbax checkpoint:[/yellow] {where}: {error}")
+        if problems:
+            raise CheckpointCorruptError(
+                f"Every checkpoint in {self.dir!r} is damaged, so none was loaded and "
+                f"none was removed ({'; '.join(problems)}). Move them away to start afresh."
+            )
+        return None
+
+    def _restore_step(
+        self, manager: Any, step: int, template: CheckpointFile, where: str
+    ) -> CheckpointFile:
+        ocp = _orbax()
+        meta = _decode_meta(
+            manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[
+                META_ITEM
+            ],
+            where,
+        )
+        if meta["step"] != step:
+            raise CheckpointCorruptError(
+                f"{where} is damaged or renamed: its folder says step {step}, its "
+                f"metadata step {meta['step']}."
+            )
+        abstract = {part: _abstract(getattr(template, part)) for part in PARTS}
+        state = _restore_tree(
+            manager.restore,
+            where,
+            abstract,
+            step,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)}),
+        )[STATE_ITEM]
+        return CheckpointFile(
+            model_params=state["model_params"],
+            model_state=state["model_state"],
+            optimizer_state=state["optimizer_state"],
+            step=step,
+            metrics=meta.get("metrics") or {},
+            version=FORMAT_VERSION,
+            rnkey=restore_key(meta, where),
+            data_state=meta.get("data_state"),
+            path=where,
+        )
+
+    def _restore_parameters(self, template: CheckpointFile) -> CheckpointFile:
+        ocp = _orbax()
+        abstract = _abstract(template.model_params)
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = _restore_tree(
+                checkpointer.restore, self.dir, abstract, os.path.abspath(self.dir), abstract
+            )
+        return CheckpointFile(
+            model_params=params,
+            model_state=None,
+            optimizer_state=None,
+            step=0,
+            path=self.dir,
+        )
+
+
+def _abstract(tree: Any) -> Any:
+    r"""`jax.ShapeDtypeStruct`s with shardings: where each restored array goes."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            sharding = default
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(abstract, tree)
+
+
+def _restore_tree(restore: Any, where: str, abstract: Any, *args: Any, **kwargs: Any) -> Any:
+    r"""Orbax's restore, with a mismatch of trees, shapes or dtypes reported as such."""
+    try:
+        return restore(*args, **kwargs)
+    except (ValueError, KeyError, TypeError) as error:
+        text = str(error)
+        if any(word in text.lower() for word in ("shape", "structure", "dtype", "key", "tree")):
+            raise CheckpointMismatchError(
+                f"{where} holds another model or optimizer than the loop's: {text[:2000]} "
+                "Resume with the model and optimizer that wrote it, or write to a new "
+                "directory."
+            ) from error
+        raise
+
+
+class _BestOrbaxCheckpointWriter(OrbaxCheckpointWriter):
+    _kind = ""
+    _initial = math.nan
+    _better: Any
+
+    def __init__(
+        self,
+        metric: str,
+        group: str = "eval",
+        stdout: bool = True,
+        output_dir: str | None = None,
+        keep: int = 1,
+        overwrite: bool | None = None,
+        *,
+        background: bool = True,
+    ) -> None:
+        if output_dir is None:
+            raise ConfigError(f"{type(self).__name__} needs output_dir, the directory to write to.")
+        for name, value in (("metric", metric), ("group", group)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
+        super().__init__(
+            output_dir=output_dir, keep=keep, overwrite=overwrite, background=background
+        )
+        self.metric, self.group = metric, group
+        self._best_metric: float = self._initial
+        newest = OrbaxCheckpointReader(dir=self.output_dir, target=None).steps()
+        if newest:
+            ocp = _orbax()
+            manager = _manager(self.output_dir, None, read_only=True)
+            where = os.path.join(self.output_dir, str(newest[-1]))
+            stored = manager.restore(
+                newest[-1], args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+            )[META_ITEM]
+            meta = _decode_meta(stored, where)
+            self._best_metric = read_metric(meta.get("metrics"), group, metric, where)
+        log(
+            f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}."
+            if newest
+            else f"No checkpoint of the {self._kind} {group}/{metric} yet in {self.output_dir}.",
+            stdout=stdout,
+        )
+
+    @property
+    def best_metric(self) -> float:
+        r"""the best value of the metric seen so far (in the directory too)."""
+        return self._best_metric
+
+    def is_best(self, value: float) -> bool:
+        r"""Whether `value` beats the best value so far."""
+        return bool(self._better(value, self._best_metric))
+
+    def __call__(self, summary: Summary) -> Summary:  # type: ignore[override]
+        r"""Writes the summary if its metric is the best so far; returns it."""
+        expect(summary, Summary, type(self).__name__)
+        value = read_metric(summary.metrics, self.group, self.metric, "The summary")
+        if self.is_best(value):
+            self.write(summary)
+            self._best_metric = value
+        return summary
+
+
+class LowestOrbaxCheckpointWriter(_BestOrbaxCheckpointWriter):
+    r"""Keeps the Orbax checkpoints of the lowest values of `metrics[group][metric]`
+    (the newest step of its directory is the best; read it with `OrbaxCheckpointReader`)."""
+
+    _kind = "lowest"
+    _initial = math.inf
+    _better = staticmethod(operator.lt)
+
+
+class HighestOrbaxCheckpointWriter(_BestOrbaxCheckpointWriter):
+    r"""Keeps the Orbax checkpoints of the highest values of `metrics[group][metric]`
+    (the newest step of its directory is the best; read it with `OrbaxCheckpointReader`)."""
+
+    _kind = "highest"
+    _initial = -math.inf
+    _better = staticmethod(operator.gt)

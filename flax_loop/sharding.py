@@ -1,0 +1,223 @@
+r"""Where the training state lives: replicated, FSDP, or per-leaf specs on a mesh.
+
+`TrainLoop(sharding=...)` takes one of three forms:
+
+- `"replicated"` (the default): every device holds the whole state.
+- `"fsdp"`: every leaf of the parameters and the optimizer state of at least
+  `fsdp_min_bytes` bytes is split along its largest dimension the number of
+  devices divides; smaller leaves stay replicated.
+- a function `sharding(path, leaf) -> PartitionSpec` over the parameters
+  (`path` is a tuple of the keys leading to the leaf, such as `("Dense_0",
+  "kernel")`); each optimizer-state leaf follows the spec of its parameter.
+
+>>> placement = Placement(jax.devices())
+>>> params = {"big": jax.ShapeDtypeStruct((1024, 512), jnp.float32),
+...           "small": jax.ShapeDtypeStruct((16,), jnp.float32)}
+>>> specs = parameter_specs("fsdp", placement, params, fsdp_min_bytes=2**20)
+>>> specs["big"], specs["small"]
+(P('data',), P())
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flax_loop.errors import ConfigError
+from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.state import TrainState
+
+ShardingRule = Callable[[tuple[str, ...], Any], PartitionSpec]
+r"""`rule(path, leaf) -> PartitionSpec`: the layout of one parameter."""
+
+Sharding = str | ShardingRule
+r"""`"replicated"`, `"fsdp"` or a `ShardingRule`."""
+
+SHARDING_MODES = ("replicated", "fsdp")
+
+DEFAULT_FSDP_MIN_BYTES = 2**20
+r"""With `"fsdp"`, leaves smaller than this (1 MiB) stay replicated: splitting
+them saves little memory and costs a collective each step."""
+
+
+def check_sharding(sharding: Any) -> Sharding:
+    r"""The sharding argument, or a `ConfigError` saying what it may be."""
+    if callable(sharding) or sharding in SHARDING_MODES:
+        return sharding
+    raise ConfigError(
+        f"sharding must be 'replicated', 'fsdp' or a function (path, leaf) -> "
+        f"PartitionSpec; got {sharding!r}."
+    )
+
+
+def is_replicated(sharding: Sharding) -> bool:
+    r"""Whether every device holds the whole state."""
+    return isinstance(sharding, str) and sharding == "replicated"
+
+
+def key_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    r"""A pytree key path as the plain names a user writes, `("Dense_0", "kernel")`."""
+
+    def name(entry: Any) -> str:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(entry, attribute):
+                return str(getattr(entry, attribute))
+        return str(entry)
+
+    return tuple(name(entry) for entry in path)
+
+
+def fsdp_spec(
+    shape: tuple[int, ...], itemsize: int, n_shards: int, min_bytes: int
+) -> PartitionSpec:
+    r"""The FSDP layout of one leaf: split along its largest dimension that
+    `n_shards` divides, if it holds at least `min_bytes`; else replicated."""
+    if n_shards == 1 or int(np.prod(shape, dtype=np.int64)) * itemsize < min_bytes:
+        return PartitionSpec()
+    candidates = [axis for axis, size in enumerate(shape) if size % n_shards == 0]
+    if not candidates:
+        return PartitionSpec()
+    axis = max(candidates, key=lambda axis: (shape[axis], -axis))
+    return PartitionSpec(*([None] * axis), DATA_AXIS)
+
+
+def parameter_specs(
+    sharding: Sharding, placement: Placement, params: Any, fsdp_min_bytes: int
+) -> Any:
+    r"""A `PartitionSpec` per parameter leaf (a tree of the parameters' structure).
+
+    Raises:
+        ConfigError: if a rule fails, returns something other than a
+            `PartitionSpec`, names an axis the mesh lacks, or splits a
+            dimension the axis size does not divide.
+    """
+    if is_replicated(sharding):
+        return jax.tree.map(lambda _: PartitionSpec(), params)
+    n_shards = placement.mesh.shape[DATA_AXIS]
+    if sharding == "fsdp":
+        return jax.tree.map(
+            lambda leaf: fsdp_spec(
+                tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, n_shards, fsdp_min_bytes
+            ),
+            params,
+        )
+
+    def spec_of(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
+        names = key_names(path)
+        try:
+            spec = sharding(names, leaf)  # type: ignore[operator]
+        except Exception as error:
+            raise ConfigError(
+                f"the sharding function raised {type(error).__name__} for {'/'.join(names)}: "
+                f"{error}"
+            ) from error
+        if spec is None:
+            spec = PartitionSpec()
+        _check_spec(spec, names, tuple(leaf.shape), placement.mesh)
+        return spec
+
+    return jax.tree_util.tree_map_with_path(spec_of, params)
+
+
+def _check_spec(
+    spec: Any, names: tuple[str, ...], shape: tuple[int, ...], mesh: jax.sharding.Mesh
+) -> None:
+    where = "/".join(names)
+    if not isinstance(spec, PartitionSpec):
+        raise ConfigError(
+            f"the sharding function returned {spec!r} for {where}; return a "
+            "jax.sharding.PartitionSpec (PartitionSpec() to replicate)."
+        )
+    if len(spec) > len(shape):
+        raise ConfigError(
+            f"the sharding function returned {spec} for {where} of shape {shape}: "
+            "more entries than the leaf has dimensions."
+        )
+    for dimension, axes in enumerate(spec):
+        names_here = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = 1
+        for axis in names_here:
+            if axis not in mesh.shape:
+                raise ConfigError(
+                    f"the sharding function returned {spec} for {where}, but the mesh "
+                    f"has no axis {axis!r} (its axes: {tuple(mesh.axis_names)})."
+                )
+            size *= mesh.shape[axis]
+        if shape[dimension] % size:
+            raise ConfigError(
+                f"the sharding function returned {spec} for {where} of shape {shape}: "
+                f"dimension {dimension} ({shape[dimension]}) is not divisible by the "
+                f"{size} devices of {names_here}."
+            )
+
+
+def state_shardings(
+    sharding: Sharding,
+    placement: Placement,
+    state: TrainState,
+    optimizer: optax.GradientTransformation,
+    fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
+) -> TrainState:
+    r"""A `NamedSharding` for every leaf of the state (a `TrainState` of them).
+
+    The parameters get their specs. With `"fsdp"` every optimizer-state leaf
+    gets the FSDP layout of its own shape (a moment is laid out as its
+    parameter); with a rule, each optimizer-state leaf that mirrors a
+    parameter (Adam's moments, say) gets that parameter's. Everything else
+    (the model's other collections, counters, step counts) is replicated.
+    """
+    mesh, replicated = placement.mesh, placement.replicated
+
+    def named(specs: Any) -> Any:
+        return jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            specs,
+            is_leaf=lambda node: isinstance(node, PartitionSpec),
+        )
+
+    params = named(parameter_specs(sharding, placement, state.model_params, fsdp_min_bytes))
+    if is_replicated(sharding):
+        optimizer_state: Any = jax.tree.map(lambda _: replicated, state.optimizer_state)
+    elif sharding == "fsdp":
+        optimizer_state = named(
+            parameter_specs("fsdp", placement, state.optimizer_state, fsdp_min_bytes)
+        )
+    else:
+        optimizer_state = _follow_parameters(
+            optimizer, state.optimizer_state, state.model_params, params, replicated
+        )
+    everything_else = jax.tree.map(lambda _: replicated, state)
+    return everything_else._replace(model_params=params, optimizer_state=optimizer_state)
+
+
+def _follow_parameters(
+    optimizer: optax.GradientTransformation,
+    optimizer_state: Any,
+    params: Any,
+    shardings: Any,
+    other: Any,
+) -> Any:
+    r"""The optimizer state's shardings: a mirrored parameter's, or `other`."""
+    try:
+        return optax.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            optimizer_state,
+            shardings,
+            transform_non_params=lambda _: other,
+        )
+    except Exception:
+        # An optimizer state tree_map_params cannot walk: a leaf shaped like
+        # exactly one layout of parameters follows it.
+        by_shape: dict[tuple[int, ...], set[Any]] = {}
+        for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)):
+            by_shape.setdefault(tuple(np.shape(leaf)), set()).add(sharding)
+
+        def follow(leaf: Any) -> Any:
+            found = by_shape.get(tuple(np.shape(leaf)), set())
+            return next(iter(found)) if len(found) == 1 else other
+
+        return jax.tree.map(follow, optimizer_state)
