@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true")
     parser.add_argument("--tensorboard", default=None)
     parser.add_argument("--batch-delay", type=float, default=0.0)
+    parser.add_argument("--sharding", default="replicated")
+    parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints in --dir")
     args = parser.parse_args()
     if args.dir:
         args.dir = args.dir.replace("{process}", str(args.process_id))
@@ -55,9 +57,12 @@ def main() -> None:
         CheckpointFileWriter,
         EvalLoop,
         EvalTask,
+        OrbaxCheckpointReader,
+        OrbaxCheckpointWriter,
         TrainLoop,
         TrainTask,
     )
+    from flax_loop.parallel import to_host
     from tests.helpers import MLP, accuracy, cross_entropy, digits_split
 
     x, y, x_test, y_test = digits_split()
@@ -92,15 +97,22 @@ def main() -> None:
     local_batches = LocalBatches
 
     model = MLP()
-    init = CheckpointFileReader(dir=args.dir, target=model.init) if args.dir else model.init
+    reader, writer_type = (
+        (OrbaxCheckpointReader, OrbaxCheckpointWriter)
+        if args.orbax
+        else (CheckpointFileReader, CheckpointFileWriter)
+    )
+    init = reader(dir=args.dir, target=model.init) if args.dir else model.init
     loop = TrainLoop(
+        sharding=args.sharding,
+        fsdp_min_bytes=0,
         init=init,
         task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, local_batches()),
         rnkey=jax.random.key(0),
         n_steps=args.n_steps,
         n_steps_per_checkpoint=args.every,
     )
-    writer = CheckpointFileWriter(output_dir=args.dir) if args.dir else None
+    writer = writer_type(output_dir=args.dir) if args.dir else None
     print(f"START {loop.step}", flush=True)
     checkpoint = None
     for checkpoint in loop:
@@ -112,7 +124,7 @@ def main() -> None:
     if checkpoint is not None:
         result.update(
             traverse_util.flatten_dict(
-                jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), checkpoint.model_params),
+                to_host(checkpoint.model_params),  # every process takes part
                 sep="/",
             )
         )
@@ -136,6 +148,8 @@ def main() -> None:
 
                 with SummaryWriter(args.tensorboard) as tensorboard:
                     tensorboard(summary)
+    if writer:
+        writer.close()
     if args.out and args.process_id == 0:
         np.savez(args.out, step=loop.step, **result)
     print(f"DONE {loop.step}", flush=True)

@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--batch-delay", type=float, default=0.0)
     parser.add_argument("--nnx", action="store_true", help="the NNX CNN instead of linen")
+    parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints, not files")
+    parser.add_argument("--sharding", default="replicated")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -35,7 +37,15 @@ def main() -> None:
     import optax
     from flax import traverse_util
 
-    from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+    from flax_loop import (
+        CheckpointFileReader,
+        CheckpointFileWriter,
+        OrbaxCheckpointReader,
+        OrbaxCheckpointWriter,
+        TrainLoop,
+        TrainTask,
+    )
+    from flax_loop.parallel import to_host
     from tests.helpers import (
         BatchNormDropoutNet,
         ResumableBatches,
@@ -56,8 +66,15 @@ def main() -> None:
     else:
         model = BatchNormDropoutNet()
         init, apply = model.init, model.apply
+    reader, writer_type = (
+        (OrbaxCheckpointReader, OrbaxCheckpointWriter)
+        if args.orbax
+        else (CheckpointFileReader, CheckpointFileWriter)
+    )
     loop = TrainLoop(
-        init=CheckpointFileReader(dir=args.dir, target=init),
+        init=reader(dir=args.dir, target=init),
+        sharding=args.sharding,
+        fsdp_min_bytes=0,
         task=TrainTask(apply, optax.adam(1e-2), cross_entropy, data),
         rnkey=jax.random.key(42),
         n_steps=args.n_steps,
@@ -65,7 +82,7 @@ def main() -> None:
         collections={"apply": ["dropout"]},
         stdout=True,
     )
-    writer = CheckpointFileWriter(output_dir=args.dir, keep=args.keep)
+    writer = writer_type(output_dir=args.dir, keep=args.keep)
     start = loop.step
     print(f"START {start}", flush=True)
     for checkpoint in loop:
@@ -73,12 +90,15 @@ def main() -> None:
         print(f"WROTE {checkpoint.step}{' preempted' if checkpoint.preempted else ''}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)
+    writer.close()
     if args.out:
+        if loop.step == start and args.orbax:
+            raise SystemExit("nothing trained: nothing to save")
         if loop.step == start:  # nothing left to train: take the newest file
             raw = CheckpointFileReader(dir=args.dir, target=init).read_newest()
             state = {"params": raw.model_params, **raw.model_state}
         else:
-            state = {"params": checkpoint.model_params, **checkpoint.model_state}
+            state = to_host({"params": checkpoint.model_params, **checkpoint.model_state})
         if args.nnx:  # integer keys: name arrays by their paths
             leaves = jax.tree_util.tree_leaves_with_path(state)
             flat = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}

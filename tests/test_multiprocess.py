@@ -153,6 +153,19 @@ def test_resume_across_process_counts(tmp_path, first, second):
     assert file_names(directory) == ["regular.20.ckpt"]
 
 
+def test_two_processes_fsdp_write_and_resume_orbax_checkpoints_as_one_process(tmp_path):
+    directory = tmp_path / "orbax"
+    sharded = ("--sharding", "fsdp", "--orbax", "--dir", directory)
+    results = succeed(2, "--n-steps", 10, *sharded)
+    assert all("STEP 10" in output for _, output in results)
+    # Each process wrote its own shards of the step.
+    assert sorted(os.listdir(directory)) == ["10"]
+    results = succeed(2, "--n-steps", 20, *sharded, "--out", tmp_path / "two.npz")
+    assert all("START 10" in output for _, output in results)
+    succeed(1, "--n-steps", 20, "--sharding", "fsdp", "--out", tmp_path / "one.npz")
+    assert_close(params(tmp_path / "two.npz"), params(tmp_path / "one.npz"), 1e-6)
+
+
 def test_a_bad_batch_on_one_process_stops_every_process(tmp_path):
     started = time.monotonic()
     results = launch(2, "--n-steps", 20, "--bad-batch-at", 5, timeout=120)

@@ -60,7 +60,10 @@ def _orbax() -> Any:
 def _manager(directory: str, keep: int | None, read_only: bool) -> Any:
     ocp = _orbax()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, read_only=read_only, create=not read_only
+        max_to_keep=keep,
+        read_only=read_only,
+        create=not read_only,
+        save_interval_steps=0 if read_only else 1,
     )
     return ocp.CheckpointManager(
         os.path.abspath(directory), options=options, item_names=(STATE_ITEM, META_ITEM)
@@ -195,7 +198,7 @@ class OrbaxCheckpointWriter:
         if in_the_way and self.overwrite is not True:
             raise CheckpointError(
                 f"Cannot write step {step} to {self.output_dir!r}: it holds step "
-                f"{in_the_way[0]}, which this writer would replace or delete. Resume "
+                f"{in_the_way[-1]}, which this writer would replace or delete. Resume "
                 "from it (init=OrbaxCheckpointReader(dir=...)), write to another "
                 "output_dir, or pass overwrite=True to replace it."
             )
