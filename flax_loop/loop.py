@@ -227,6 +227,7 @@ class TrainLoop:
                 mutable_collections,
                 DATA_AXIS if placement.n_devices > 1 or shardings is not None else None,
                 skip_nonfinite=nonfinite == "skip",
+                shards=None if shardings is None else placement.batch_sharding,
             )
             batch, stacked = self._feed.samples()
             self._steps = CompiledSteps(

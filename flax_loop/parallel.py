@@ -226,3 +226,15 @@ def gather_split(tree: Any) -> Any:
         return leaf
 
     return jax.tree.map(gather, tree)
+
+
+def key_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    r"""A pytree key path as the plain names a user writes, `("Dense_0", "kernel")`."""
+
+    def name(entry: Any) -> str:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(entry, attribute):
+                return str(getattr(entry, attribute))
+        return str(entry)
+
+    return tuple(name(entry) for entry in path)

@@ -27,7 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.errors import ConfigError
-from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.parallel import DATA_AXIS, Placement, key_names
 from flax_loop.state import TrainState
 
 ShardingRule = Callable[[tuple[str, ...], Any], PartitionSpec]
@@ -56,18 +56,6 @@ def check_sharding(sharding: Any) -> Sharding:
 def is_replicated(sharding: Sharding) -> bool:
     r"""Whether every device holds the whole state."""
     return isinstance(sharding, str) and sharding == "replicated"
-
-
-def key_names(path: tuple[Any, ...]) -> tuple[str, ...]:
-    r"""A pytree key path as the plain names a user writes, `("Dense_0", "kernel")`."""
-
-    def name(entry: Any) -> str:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(entry, attribute):
-                return str(getattr(entry, attribute))
-        return str(entry)
-
-    return tuple(name(entry) for entry in path)
 
 
 def fsdp_spec(

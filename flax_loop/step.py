@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.core.scope import CollectionFilter
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.batch import Batch
 from flax_loop.model import call_apply, split_loss
@@ -59,8 +59,9 @@ def build_update(
     mutable_collections: CollectionFilter,
     axis_name: str | None,
     skip_nonfinite: bool = False,
+    shards: NamedSharding | None = None,
 ) -> Update:
-    r"""The update of one step, as seen by one device.
+    r"""The update of one step, as seen by one device (or, with `shards`, by all).
 
     Args:
         apply: the model's apply function.
@@ -73,6 +74,14 @@ def build_update(
             model state as they were when the loss or a gradient is not
             finite (the state keeps its structure either way, so a file
             resumes in either mode).
+        shards: for a sharded state, updated by one program over the whole
+            batch (`jax.jit` with shardings, no `shard_map`): the batch's
+            layout. The forward pass is mapped with `jax.vmap` over the
+            batch's shards along `axis_name`, so each shard has its own
+            keys, loss and BatchNorm statistics as a device has with a
+            replicated state, and the loss is their mean; its gradient is
+            then the averaged gradient, and XLA reduces it as the
+            parameters' layout needs (never one whole gradient per shard).
 
     Returns:
         `update(state, batch, key) -> (state, (loss, grads))`.
@@ -87,18 +96,42 @@ def build_update(
         loss_value, metrics = split_loss(loss(*outputs, *targets), axis_name is not None)
         return loss_value, (mutated, metrics)
 
-    gradient = jax.value_and_grad(forward, has_aux=True)
+    def per_device(
+        params: Any, model_state: Any, batch: Batch, key: jax.Array, step: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        device_index = jax.lax.axis_index(axis_name) if axis_name else 0
+        return forward(params, model_state, batch, step_keys(key, step, device_index, rng_labels))
+
+    def over_shards(
+        params: Any, model_state: Any, batch: Batch, key: jax.Array, step: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        assert shards is not None and axis_name is not None
+        n_shards = shards.mesh.shape[axis_name]
+        split = jax.tree.map(
+            lambda leaf: leaf.reshape(n_shards, leaf.shape[0] // n_shards, *leaf.shape[1:]), batch
+        )
+        split = jax.lax.with_sharding_constraint(split, shards)
+        losses, (mutated, metrics) = jax.vmap(
+            lambda shard: per_device(params, model_state, shard, key, step), axis_name=axis_name
+        )(split)
+        # pmean semantics: floating leaves averaged over the shards, integer
+        # ones (counters) as shard 0 has them.
+        mutated = jax.tree.map(
+            lambda leaf: leaf.mean(0) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf[0],
+            mutated,
+        )
+        return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics))
+
+    gradient = jax.value_and_grad(per_device if shards is None else over_shards, has_aux=True)
 
     def update(
         state: TrainState, batch: Batch, key: jax.Array
     ) -> tuple[TrainState, tuple[jax.Array, Any]]:
         step = state.counters[0] + 1
-        device_index = jax.lax.axis_index(axis_name) if axis_name else 0
-        rngs = step_keys(key, step, device_index, rng_labels)
         (loss_value, (mutated, metrics)), grads = gradient(
-            state.model_params, state.model_state, batch, rngs
+            state.model_params, state.model_state, batch, key, step
         )
-        if axis_name:
+        if axis_name and shards is None:
             loss_value, grads, metrics = jax.lax.pmean((loss_value, grads, metrics), axis_name)
             mutated = _pmean_floating(mutated, axis_name)
         updates, optimizer_state = optimizer.update(
@@ -162,13 +195,12 @@ def compile_update(
         n_steps: steps per call; more than one runs them in a `jax.lax.scan`
             over the stacked batches, returning every step's loss.
         with_grads: whether the call also returns the (last step's) gradients.
-        mode: how the per-device update runs over the devices: `"jit"` (one
-            device, no collectives; `shard_map` costs ~11% there),
-            `"shard_map"` (a replicated state: the update runs on every
-            device, binding `DATA_AXIS`), or `"gspmd"` (a sharded state: the
-            update is mapped over the batch's shards with `jax.vmap`, which
-            binds `DATA_AXIS` too, and XLA places the collectives the state's
-            shardings need).
+        mode: how the update runs over the devices: `"jit"` (one device, no
+            collectives; `shard_map` costs ~11% there), `"shard_map"` (a
+            replicated state: the per-device update runs on every device,
+            binding `DATA_AXIS`), or `"gspmd"` (a sharded state: an update
+            built with `shards` runs as one program over the whole batch,
+            XLA placing the collectives the state's shardings need).
         shardings: the state's `NamedSharding`s (`"gspmd"`; replicated otherwise).
 
     Returns:
@@ -177,7 +209,7 @@ def compile_update(
         these shapes.
     """
     stacked = n_steps > 1
-    one_step = _sharded_update(update, placement) if mode == "gspmd" else update
+    one_step = update
 
     def steps(state: TrainState, batches: Batch, key: jax.Array) -> Any:
         if stacked:
@@ -216,32 +248,6 @@ def compile_update(
             out_shardings=outputs if with_grads and not stacked else outputs[:2],
         )
     return jitted.lower(state, batch, key).compile()
-
-
-def _sharded_update(update: Update, placement: Placement) -> Update:
-    r"""The per-device update over a batch split into the data axis's shards.
-
-    `jax.vmap` over the shards, naming the axis `DATA_AXIS`, computes what
-    `shard_map` computes on a replicated state (each shard's loss, keys and
-    BatchNorm statistics; gradients averaged by `pmean`), so a sharded run
-    follows the replicated one; XLA partitions the mapped axis over the
-    devices and gathers or scatters the state's shards as its layout needs.
-    """
-    n_shards = placement.n_shards
-    batch_sharding = placement.batch_sharding
-
-    def sharded(state: TrainState, batch: Batch, key: jax.Array) -> Any:
-        split = jax.tree.map(
-            lambda leaf: leaf.reshape(n_shards, leaf.shape[0] // n_shards, *leaf.shape[1:]), batch
-        )
-        split = jax.lax.with_sharding_constraint(split, batch_sharding)
-        mapped = jax.vmap(update, in_axes=(None, 0, None), axis_name=DATA_AXIS, axis_size=n_shards)(
-            state, split, key
-        )
-        # pmean leaves every output equal across the shards; take shard 0's.
-        return jax.tree.map(lambda leaf: leaf[0], mapped)
-
-    return sharded
 
 
 class CompiledSteps:

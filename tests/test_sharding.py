@@ -84,9 +84,13 @@ def test_fsdp_follows_replicated(model, optimizer, tolerance):
     assert kernel.sharding.spec in (PartitionSpec("data"), PartitionSpec(None, "data"))
     assert len({shard.data.shape for shard in kernel.addressable_shards}) == 1
     assert kernel.addressable_shards[0].data.size == kernel.size // 4
-    assert relative_difference(host(sharded.model_params), host(replicated.model_params)) < (
-        tolerance
-    )
+    ours, theirs = host(sharded.model_params), host(replicated.model_params)
+    if sharded.model_state:
+        # Dense_0's bias feeds BatchNorm, which subtracts it again: its true
+        # gradient is 0 and both runs hold rounding noise there (~1e-9).
+        bias, other = ours["Dense_0"].pop("bias"), theirs["Dense_0"].pop("bias")
+        np.testing.assert_allclose(bias, other, atol=1e-6)
+    assert relative_difference(ours, theirs) < tolerance
     if sharded.model_state:  # BatchNorm's statistics
         assert relative_difference(host(sharded.model_state), host(replicated.model_state)) < 1e-5
     assert sharded.loss == pytest.approx(replicated.loss, rel=tolerance)
@@ -280,7 +284,9 @@ def test_orbax_checkpoint_of_another_model_is_a_mismatch(tmp_path):
     with OrbaxCheckpointWriter(output_dir=str(tmp_path)) as writer:
         writer(loop(n_steps=2).next_checkpoint())
     reader = OrbaxCheckpointReader(dir=str(tmp_path), target=MLP(features=(32,)).init)
-    with pytest.raises(CheckpointMismatchError):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"model_params/Dense_0/kernel: stored \(64, 64\)"
+    ):
         loop(MLP(features=(32,)), init=reader)
     assert OrbaxCheckpointReader(dir=str(tmp_path), target=None).steps() == [2]
     assert file_names(tmp_path) == ["2"]
@@ -314,3 +320,13 @@ def test_orbax_checkpoint_of_another_model_is_a_mismatch(tmp_path):
 def test_bad_sharding_arguments_are_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):
         loop(MLP(features=(30,)), n_steps=1, **options)
+
+
+def test_orbax_parameters_of_another_model_are_a_mismatch(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "pretrained", loop(n_steps=1).next_checkpoint().model_params)
+    reader = OrbaxCheckpointReader(dir=str(tmp_path / "pretrained"), target=MLP((32,)).init)
+    with pytest.raises(CheckpointMismatchError, match=r"Dense_0/kernel: stored \(64, 64\)"):
+        loop(MLP((32,)), init=reader)

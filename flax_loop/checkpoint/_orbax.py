@@ -39,6 +39,7 @@ from flax_loop.errors import (
     check_count,
 )
 from flax_loop.log import log
+from flax_loop.parallel import key_names
 from flax_loop.random import key_data
 
 FORMAT_NAME = "flax_loop.orbax"
@@ -66,7 +67,12 @@ def _manager(directory: str, keep: int | None, read_only: bool) -> Any:
         save_interval_steps=0 if read_only else 1,
     )
     return ocp.CheckpointManager(
-        os.path.abspath(directory), options=options, item_names=(STATE_ITEM, META_ITEM)
+        os.path.abspath(directory),
+        options=options,
+        item_handlers={
+            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            META_ITEM: ocp.JsonCheckpointHandler(),
+        },
     )
 
 
@@ -336,6 +342,7 @@ class OrbaxCheckpointReader:
                 f"metadata step {meta['step']}."
             )
         abstract = {part: _abstract(getattr(template, part)) for part in PARTS}
+        _check_compatible(manager.item_metadata(step)[STATE_ITEM], abstract, where)
         state = _restore_tree(
             manager.restore,
             where,
@@ -359,6 +366,8 @@ class OrbaxCheckpointReader:
         ocp = _orbax()
         abstract = _abstract(template.model_params)
         with ocp.StandardCheckpointer() as checkpointer:
+            stored = checkpointer.metadata(os.path.abspath(self.dir))
+            _check_compatible(getattr(stored, "item_metadata", None), abstract, self.dir)
             params = _restore_tree(
                 checkpointer.restore, self.dir, abstract, os.path.abspath(self.dir), abstract
             )
@@ -382,6 +391,41 @@ def _abstract(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
     return jax.tree.map(abstract, tree)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda node: node is None or hasattr(node, "shape")
+    )[0]
+    return {
+        "/".join(key_names(path)): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+        for path, leaf in leaves
+        if leaf is not None
+    }
+
+
+def _check_compatible(metadata: Any, abstract: Any, where: str) -> None:
+    r"""A `CheckpointMismatchError` naming the paths whose shapes or dtypes
+    differ between the stored arrays and the loop's (before Orbax reads any)."""
+    if metadata is None:
+        return
+    stored, wanted = _shapes(getattr(metadata, "tree", metadata)), _shapes(abstract)
+    problems = [f"{path} is missing" for path in wanted if path not in stored]
+    problems += [f"{path} is not in the loop's state" for path in stored if path not in wanted]
+    problems += [
+        f"{path}: stored {stored[path][0]} {stored[path][1]}, the loop's "
+        f"{wanted[path][0]} {wanted[path][1]}"
+        for path in wanted
+        if path in stored and stored[path] != wanted[path]
+    ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (
+            f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
+        )
+        raise CheckpointMismatchError(
+            f"{where} holds another model or optimizer than the loop's ({shown}). Resume "
+            "with the model and optimizer that wrote it, or write to a new directory."
+        )
 
 
 def _restore_tree(restore: Any, where: str, abstract: Any, *args: Any, **kwargs: Any) -> Any:
