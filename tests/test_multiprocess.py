@@ -131,24 +131,29 @@ SLOW = bool(os.environ.get("FLAX_LOOP_SLOW"))
 
 
 @pytest.mark.parametrize(
-    "first, second",
+    "first, second, sharding",
     [
-        (1, 2),
+        # Two processes holding an fsdp state gather it for the file writer.
+        (1, 2, "fsdp"),
         pytest.param(
-            2, 1, marks=pytest.mark.skipif(not SLOW, reason="FLAX_LOOP_SLOW=1: the other direction")
+            2,
+            1,
+            "replicated",
+            marks=pytest.mark.skipif(not SLOW, reason="FLAX_LOOP_SLOW=1: the other direction"),
         ),
     ],
-    ids=["1-to-2", "2-to-1"],
+    ids=["1-to-2-fsdp", "2-to-1"],
 )
-def test_resume_across_process_counts(tmp_path, first, second):
+def test_resume_across_process_counts(tmp_path, first, second, sharding):
     directory = tmp_path / "checkpoints"
-    succeed(first, "--n-steps", 10, "--dir", directory)
+    layout = ("--sharding", sharding)
+    succeed(first, "--n-steps", 10, "--dir", directory, *layout)
     assert file_names(directory) == ["regular.10.ckpt"]
     results = succeed(
-        second, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "resumed.npz"
+        second, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "resumed.npz", *layout
     )
     assert all("START 10" in output for _, output in results)
-    succeed(1, "--n-steps", 20, "--out", tmp_path / "straight.npz")
+    succeed(1, "--n-steps", 20, "--out", tmp_path / "straight.npz", *layout)
     assert_close(params(tmp_path / "resumed.npz"), params(tmp_path / "straight.npz"), 1e-6)
     assert file_names(directory) == ["regular.20.ckpt"]
 

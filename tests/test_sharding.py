@@ -330,3 +330,11 @@ def test_orbax_parameters_of_another_model_are_a_mismatch(tmp_path):
     reader = OrbaxCheckpointReader(dir=str(tmp_path / "pretrained"), target=MLP((32,)).init)
     with pytest.raises(CheckpointMismatchError, match=r"Dense_0/kernel: stored \(64, 64\)"):
         loop(MLP((32,)), init=reader)
+
+
+def test_fsdp_steps_per_dispatch_and_skip_match_single_steps():
+    options = {"sharding": "fsdp", "fsdp_min_bytes": 0, "nonfinite": "skip"}
+    single = last(loop(optimizer=optax.adam(1e-2), n_steps=8, **options))
+    stacked = last(loop(optimizer=optax.adam(1e-2), n_steps=8, steps_per_dispatch=4, **options))
+    assert specs(stacked.model_params) == specs(single.model_params)
+    assert relative_difference(host(stacked.model_params), host(single.model_params)) < 1e-6
