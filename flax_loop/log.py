@@ -51,7 +51,7 @@ def is_main_process() -> bool:
 def log(message: str, stdout: bool = True) -> None:
     r"""Prints a message on process 0 when `stdout` is set."""
     if stdout and is_main_process():
-        console().print(message)
+        console().print(message, soft_wrap=True)  # a path stays on one line
 
 
 def format_bytes(size: int) -> str:

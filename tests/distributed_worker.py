@@ -32,9 +32,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.dir:
         args.dir = args.dir.replace("{process}", str(args.process_id))
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.flags import xla_flags
+
+    os.environ["XLA_FLAGS"] = xla_flags(args.devices)
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
     import time
 

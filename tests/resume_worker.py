@@ -26,9 +26,11 @@ def main() -> None:
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints, not files")
     parser.add_argument("--sharding", default="replicated")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.flags import xla_flags
+
+    os.environ["XLA_FLAGS"] = xla_flags(args.devices)
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
     import time
 

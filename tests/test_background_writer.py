@@ -12,6 +12,7 @@ import pytest
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.checkpoint import _file
 from flax_loop.errors import CheckpointError
+from tests.flags import xla_flags
 from tests.helpers import ROOT, directory_bytes, file_names, train
 
 
@@ -111,7 +112,7 @@ def test_pending_writes_finish_at_interpreter_exit(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(1)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "LEAVING" in result.stdout

@@ -28,6 +28,7 @@ from flax_loop.errors import (
 from tests.helpers import (
     MLP,
     assert_same_arrays,
+    batches,
     digits_loop,
     digits_split,
     directory_bytes,
@@ -289,12 +290,25 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     assert_same_arrays(tmp_path / "straight.npz", tmp_path / "resumed.npz")
 
 
-def test_plain_stream_resume_says_it_restarts_from_its_first_batch(tmp_path):
-    run_worker(tmp_path, 10, "--plain-stream", devices=1)
-    out = " ".join(run_worker(tmp_path, 20, "--plain-stream", devices=1).split())
+def test_plain_stream_resume_says_it_restarts_from_its_first_batch(tmp_path, capsys):
+    x, y, _, _ = digits_split()
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as writer:
+        writer(
+            digits_loop(
+                data=batches(x, y, 32), n_steps=10, n_steps_per_checkpoint=10
+            ).next_checkpoint()
+        )
+    capsys.readouterr()
+    resumed = digits_loop(
+        data=batches(x, y, 32),  # a plain generator: no get_state/set_state
+        init=CheckpointFileReader(dir=str(tmp_path), target=MLP().init),
+        n_steps=20,
+        stdout=True,
+    )
+    out = " ".join(capsys.readouterr().out.split())
     assert out.count("it has no get_state/set_state): it restarts from its first batch") == 1
     assert "will not match one that never stopped" in out
-    assert "DONE 20" in out
+    assert resumed.step == 10 and list(resumed)[-1].step == 20
 
 
 def test_writing_holds_at_most_one_array_beyond_the_state(tmp_path):

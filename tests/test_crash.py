@@ -3,7 +3,7 @@
 A real training process writes a checkpoint every 5 steps; it is killed with
 SIGKILL at seeded random moments and restarted from its directory each time.
 At the end its parameters equal, bit for bit, those of a run never
-interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 5 to 100.
+interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 4 to 100.
 """
 
 import os
@@ -18,7 +18,7 @@ from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import TEMPORARY_PREFIX
 from tests.helpers import assert_same_arrays, directory_bytes, file_names, resume_worker, run, start
 
-N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 5
+N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 4
 # A kill lands on average 0.3 s (15 steps) after start-up: enough steps that
 # the run is still going after every kill.
 N_STEPS, EVERY, KEEP, STEP_SECONDS = 30 * N_KILLS, 5, 2, 0.02
@@ -73,7 +73,7 @@ def test_sigkill_at_random_moments_then_exact_resume(tmp_path):
     assert_same_arrays(tmp_path / "resumed.npz", tmp_path / "straight.npz")
     assert kills == N_KILLS
     # The kills landed in the middle of training, not only at start-up.
-    assert len(set(resumed_from)) >= 5, resumed_from
+    assert len(set(resumed_from)) >= 4, resumed_from
     print(f"{kills} kills, resumed from {sorted(set(resumed_from))}, {torn_writes} torn writes")
 
 

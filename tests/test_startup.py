@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+from tests.flags import xla_flags
 from tests.helpers import ROOT
 
 PROGRAM = textwrap.dedent(
@@ -34,7 +35,7 @@ def set_up(cache_dir):
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
     }
     result = subprocess.run(
         [sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True,
