@@ -8,6 +8,12 @@ from flax_loop.checkpoint._best import (
 )
 from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile
+from flax_loop.checkpoint._inventory import (
+    CheckpointContents,
+    CheckpointEntry,
+    list_checkpoints,
+    read_contents,
+)
 from flax_loop.checkpoint._orbax import (
     HighestOrbaxCheckpointWriter,
     LowestOrbaxCheckpointWriter,
@@ -23,6 +29,8 @@ from flax_loop.checkpoint._writer import CheckpointFileWriter
 # also offers them here, where flax-extra programs import them from.
 __all__ = [
     "Checkpoint",
+    "CheckpointContents",
+    "CheckpointEntry",
     "CheckpointFile",
     "CheckpointFileReader",
     "CheckpointFileWriter",
@@ -38,6 +46,8 @@ __all__ = [
     "Summary",
     "as_summary",
     "expect",
+    "list_checkpoints",
+    "read_contents",
     "summarize",
     "train_statistics",
 ]

@@ -17,6 +17,7 @@ state). Needs `pip install flax_loop[orbax]`.
 
 import atexit
 import base64
+import logging
 import math
 import operator
 import os
@@ -66,14 +67,21 @@ def _manager(directory: str, keep: int | None, read_only: bool) -> Any:
         create=not read_only,
         save_interval_steps=0 if read_only else 1,
     )
-    return ocp.CheckpointManager(
-        os.path.abspath(directory),
-        options=options,
-        item_handlers={
-            STATE_ITEM: ocp.StandardCheckpointHandler(),
-            META_ITEM: ocp.JsonCheckpointHandler(),
-        },
-    )
+    absl = logging.getLogger("absl")
+    level = absl.level
+    if read_only:  # Orbax warns that a reader's directory is read-only: it is meant to be
+        absl.setLevel(logging.ERROR)
+    try:
+        return ocp.CheckpointManager(
+            os.path.abspath(directory),
+            options=options,
+            item_handlers={
+                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                META_ITEM: ocp.JsonCheckpointHandler(),
+            },
+        )
+    finally:
+        absl.setLevel(level)
 
 
 def _encode_meta(file: CheckpointFile) -> dict[str, Any]:
@@ -378,6 +386,46 @@ class OrbaxCheckpointReader:
             step=0,
             path=self.dir,
         )
+
+
+def read_orbax_step(
+    directory: str, step: int, read_arrays: bool = False
+) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str]]]:
+    r"""A step's flax_loop metadata and its arrays' paths, shapes and dtypes
+    (from Orbax's index); with `read_arrays`, every array is read too (onto
+    the first local device), so that a missing or truncated one shows.
+
+    Raises:
+        CheckpointCorruptError: if the metadata or the index cannot be read.
+    """
+    ocp = _orbax()
+    where = os.path.join(directory, str(step))
+    manager = _manager(directory, None, read_only=True)
+    stored = manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
+    meta = _decode_meta(stored[META_ITEM], where)
+    meta["version"] = stored[META_ITEM].get("version")
+    if meta["step"] != step:
+        raise CheckpointCorruptError(
+            f"{where} is damaged or renamed: its folder says step {step}, its "
+            f"metadata step {meta['step']}."
+        )
+    index = manager.item_metadata(step)[STATE_ITEM]
+    if index is None:
+        raise CheckpointCorruptError(f"{where} is damaged: its array index cannot be read.")
+    tree = getattr(index, "tree", index)
+    if read_arrays:
+        abstract = _abstract(
+            jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
+                tree,
+                is_leaf=lambda node: hasattr(node, "shape"),
+            )
+        )
+        manager.restore(
+            step,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)}),
+        )
+    return meta, _shapes(tree)
 
 
 def _abstract(tree: Any) -> Any:

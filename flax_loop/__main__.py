@@ -1,0 +1,7 @@
+r"""`python -m flax_loop ls|verify|show ...`: the checkpoint inspector (`flax_loop.cli`)."""
+
+import sys
+
+from flax_loop.cli import main
+
+sys.exit(main())

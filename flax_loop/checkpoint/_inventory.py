@@ -1,0 +1,229 @@
+r"""What a checkpoint directory holds: each checkpoint, its kind, and whether it is intact.
+
+The answers `flax-loop ls`, `verify` and `show` print, for programs too:
+
+>>> [(entry.name, entry.status, entry.resume) for entry in list_checkpoints(str(tmp / "ckpts"))]
+[('regular.3.ckpt', 'intact', False), ('regular.4.ckpt', 'intact', True)]
+"""
+
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flax_loop.checkpoint import _format
+from flax_loop.checkpoint._file import SUFFIX, TEMPORARY_PREFIX
+from flax_loop.errors import CheckpointError, FlaxLoopError
+
+_FILE_NAME = re.compile(
+    r"(?P<kind>regular|lowest|highest)\.(?:(?P<group>[^.]+)\.(?P<metric>[^.]+)\.)?(?P<step>\d+)"
+    + re.escape(SUFFIX)
+)
+
+
+@dataclass
+class CheckpointEntry:
+    r"""One checkpoint of a directory: a file, or an Orbax step folder."""
+
+    path: str
+    r"""where it is."""
+
+    kind: str
+    r"""`"regular"`, `"lowest"`, `"highest"` (best-metric files) or `"orbax"`."""
+
+    step: int
+    r"""the step its name gives."""
+
+    size: int
+    r"""its size in bytes."""
+
+    modified: float
+    r"""when it was written (seconds since the epoch)."""
+
+    status: str = "intact"
+    r"""`"intact"`, `"damaged"` (a checksum, its format or its name is wrong)
+    or `"unreadable"` (the system refused to read it: permissions, I/O)."""
+
+    problem: str = ""
+    r"""why it is not intact."""
+
+    metric: str = ""
+    r"""for best-metric files, `group/metric`."""
+
+    resume: bool = False
+    r"""whether a resume (`CheckpointFileReader`, `OrbaxCheckpointReader`) reads it."""
+
+    @property
+    def name(self) -> str:
+        r"""its file or folder name."""
+        return os.path.basename(self.path)
+
+    @property
+    def intact(self) -> bool:
+        r"""whether it can be read."""
+        return self.status == "intact"
+
+
+@dataclass
+class CheckpointContents:
+    r"""What one checkpoint holds (`flax-loop show`)."""
+
+    path: str
+    step: int
+    version: int
+    metrics: Any
+    has_rnkey: bool
+    data_state: Any
+    arrays: list[tuple[str, tuple[int, ...], str, int]] = field(default_factory=list)
+    r"""`(path, shape, dtype, bytes)` of every array."""
+
+
+def _is_orbax(directory: str) -> bool:
+    return any(
+        os.path.isdir(os.path.join(directory, name))
+        and name.isdigit()
+        and os.path.exists(os.path.join(directory, name, "meta"))
+        for name in os.listdir(directory)
+    )
+
+
+def list_checkpoints(directory: str) -> list[CheckpointEntry]:
+    r"""Every checkpoint in `directory`, oldest first, each verified.
+
+    Files are read whole, every checksum checked; Orbax steps are restored
+    whole (Orbax stores no checksums: a missing or truncated array shows, a
+    flipped bit inside one does not).
+
+    Raises:
+        CheckpointError: if `directory` is not a readable directory.
+    """
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory!r} is not a directory.")
+    if _is_orbax(directory):
+        return _orbax_entries(directory)
+    entries = []
+    for name in sorted(os.listdir(directory)):
+        match = _FILE_NAME.fullmatch(name)
+        if name.startswith(TEMPORARY_PREFIX) or match is None:
+            continue
+        path = os.path.join(directory, name)
+        stat = os.stat(path)
+        size = _directory_size(path) if os.path.isdir(path) else stat.st_size
+        kind = match.group("kind")
+        metric = ""
+        if kind != "regular":
+            group, metric_name = (urllib.parse.unquote(match.group(n)) for n in ("group", "metric"))
+            metric = f"{group}/{metric_name}"
+        entry = CheckpointEntry(path, kind, int(match.group("step")), size, stat.st_mtime)
+        entry.metric = metric
+        _verify_file(entry)
+        entries.append(entry)
+    entries.sort(key=lambda entry: (entry.kind, entry.metric, entry.step))
+    for kind, metric in {(entry.kind, entry.metric) for entry in entries}:
+        intact = [e for e in entries if (e.kind, e.metric) == (kind, metric) and e.intact]
+        if intact:
+            max(intact, key=lambda entry: entry.step).resume = True
+    return entries
+
+
+def _verify_file(entry: CheckpointEntry) -> None:
+    try:
+        _, meta = _format.read(entry.path)
+        if meta["step"] != entry.step:
+            raise CheckpointError(
+                f"its name says step {entry.step}, its contents step {meta['step']}"
+            )
+    except (FlaxLoopError, ValueError) as error:
+        entry.status, entry.problem = "damaged", str(error)
+    except OSError as error:  # the system's refusal, not the contents
+        entry.status, entry.problem = "unreadable", str(error)
+
+
+def _directory_size(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
+
+
+def _orbax_entries(directory: str) -> list[CheckpointEntry]:
+    from flax_loop.checkpoint._orbax import read_orbax_step
+
+    entries = []
+    for name in sorted((n for n in os.listdir(directory) if n.isdigit()), key=int):
+        path = os.path.join(directory, name)
+        if not os.path.isdir(path):
+            continue
+        entry = CheckpointEntry(
+            path, "orbax", int(name), _directory_size(path), os.stat(path).st_mtime
+        )
+        try:
+            read_orbax_step(directory, int(name), read_arrays=True)
+        except PermissionError as error:
+            entry.status, entry.problem = "unreadable", str(error)
+        except Exception as error:
+            entry.status, entry.problem = "damaged", f"{type(error).__name__}: {error}"
+        entries.append(entry)
+    intact = [entry for entry in entries if entry.intact]
+    if intact:
+        intact[-1].resume = True
+    return entries
+
+
+def read_contents(path: str) -> CheckpointContents:
+    r"""What the checkpoint file or Orbax step folder at `path` holds.
+
+    Raises:
+        CheckpointError: if it cannot be read (damaged, unreadable, neither).
+    """
+    if os.path.isdir(path):
+        from flax_loop.checkpoint._orbax import read_orbax_step
+
+        directory, name = os.path.split(os.path.abspath(path))
+        if not name.isdigit():
+            raise CheckpointError(
+                f"{path!r} is a directory, not a checkpoint file or an Orbax step "
+                "folder; list a directory with `flax-loop ls`."
+            )
+        meta, shapes = read_orbax_step(directory, int(name))
+        arrays = [
+            (key, shape, dtype, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+            for key, (shape, dtype) in shapes.items()
+        ]
+        return CheckpointContents(
+            path,
+            int(meta["step"]),
+            int(meta.get("version", 0) or 0),
+            meta.get("metrics") or {},
+            "rnkey" in meta,
+            meta.get("data_state"),
+            arrays,
+        )
+    tree, meta = _format.read(path)
+    arrays = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}/{key}" if prefix else str(key))
+        elif isinstance(node, (list, tuple)):
+            for index, value in enumerate(node):
+                walk(value, f"{prefix}/{index}")
+        elif node is not None:
+            array = np.asarray(node)
+            arrays.append((prefix, tuple(array.shape), array.dtype.name, array.nbytes))
+
+    walk(tree, "")
+    return CheckpointContents(
+        path,
+        int(meta["step"]),
+        int(meta.get("version", 0)),
+        meta.get("metrics") or {},
+        isinstance(meta.get("rnkey"), dict),
+        meta.get("data_state"),
+        arrays,
+    )

@@ -1,0 +1,140 @@
+r"""`flax-loop`: what is in a checkpoint directory, which file is good, which resumes.
+
+    flax-loop ls DIR        a table of the checkpoints: step, kind, size, time, status, resume
+    flax-loop verify DIR    every checksum; exit 0 if all intact, 1 naming each that is not
+    flax-loop show PATH     a checkpoint's metadata and its arrays
+
+(also `python -m flax_loop ...`). Works on directories of checkpoint files
+and on Orbax directories written by `OrbaxCheckpointWriter`. A bad argument
+prints the usage and exits with 2.
+
+>>> main(["verify", str(tmp / "ckpts")])
+0
+"""
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from flax_loop.checkpoint import CheckpointEntry, list_checkpoints, read_contents
+from flax_loop.errors import FlaxLoopError
+from flax_loop.log import format_bytes
+
+EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
+
+# Tables keep a file's name and time on one line; piped output is 80 columns
+# wide by default, too narrow for them.
+_WIDTH = None if sys.stdout.isatty() else 120
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flax-loop", description="Inspect flax_loop checkpoint directories."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = commands.add_parser("ls", help="list a directory's checkpoints")
+    ls.add_argument("dir", help="a checkpoint directory")
+    verify = commands.add_parser("verify", help="verify every checkpoint of a directory")
+    verify.add_argument("dir", help="a checkpoint directory")
+    show = commands.add_parser("show", help="show one checkpoint's metadata and arrays")
+    show.add_argument("path", help="a checkpoint file, or an Orbax step folder")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
+    r"""Runs the command line `argv` (default: `sys.argv[1:]`); its exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # argparse printed the usage and why
+        return int(exit.code or 0)
+    console = console or Console(highlight=False, soft_wrap=True, width=_WIDTH)
+    try:
+        if args.command == "ls":
+            return _ls(args.dir, console)
+        if args.command == "verify":
+            return _verify(args.dir, console)
+        return _show(args.path, console)
+    except (FlaxLoopError, OSError) as error:
+        console.print(f"flax-loop {args.command}: {error}", markup=False)
+        return EXIT_USAGE
+
+
+def _time(entry: CheckpointEntry) -> str:
+    return datetime.datetime.fromtimestamp(entry.modified).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ls(directory: str, console: Console) -> int:
+    entries = list_checkpoints(directory)
+    if not entries:
+        console.print(f"{directory}: no checkpoints.", markup=False)
+        return EXIT_OK
+    table = Table(title=directory, title_justify="left")
+    for column in ("step", "kind", "file", "size", "written", "status", "resume"):
+        table.add_column(
+            column, justify="right" if column in ("step", "size") else "left", no_wrap=True
+        )
+    for entry in entries:
+        table.add_row(
+            str(entry.step),
+            entry.kind + (f" {entry.metric}" if entry.metric else ""),
+            entry.name,
+            format_bytes(entry.size),
+            _time(entry),
+            "intact" if entry.intact else f"[red]{entry.status}[/red]",
+            "<- resumes" if entry.resume else "",
+        )
+    console.print(table)
+    for entry in entries:
+        if not entry.intact:
+            console.print(f"{entry.name}: {entry.problem}", markup=False)
+    return EXIT_OK
+
+
+def _verify(directory: str, console: Console) -> int:
+    entries = list_checkpoints(directory)
+    bad = [entry for entry in entries if not entry.intact]
+    for entry in bad:
+        console.print(f"{entry.status}: {entry.path}: {entry.problem}", markup=False)
+    console.print(
+        f"{len(entries) - len(bad)} of {len(entries)} checkpoints in {directory} intact.",
+        markup=False,
+    )
+    return EXIT_DAMAGED if bad else EXIT_OK
+
+
+def _plain(value: Any) -> str:
+    try:
+        return json.dumps(value, default=repr)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _show(path: str, console: Console) -> int:
+    contents = read_contents(path)
+    console.print(f"{contents.path}", markup=False)
+    console.print(f"  step: {contents.step}")
+    console.print(f"  format version: {contents.version}")
+    console.print(f"  run key stored: {'yes' if contents.has_rnkey else 'no'}")
+    console.print(f"  metrics: {_plain(contents.metrics)}", markup=False)
+    console.print(f"  data state: {_plain(contents.data_state)}", markup=False)
+    table = Table(title=f"{len(contents.arrays)} arrays", title_justify="left")
+    for column in ("path", "shape", "dtype", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for key, shape, dtype, nbytes in contents.arrays:
+        table.add_row(key, str(shape), dtype, format_bytes(nbytes))
+    total = sum(nbytes for *_, nbytes in contents.arrays)
+    table.add_row("total", "", "", format_bytes(total))
+    console.print(table)
+    return EXIT_OK
+
+
+def run() -> None:  # pragma: no cover - the console script
+    r"""The `flax-loop` console script."""
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The checkpoint inspector: `flax-loop ls`, `verify`, `show` on good and bad directories."""
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from flax_loop import CheckpointFileWriter, HighestCheckpointFileWriter, OrbaxCheckpointWriter
+from flax_loop.checkpoint import Summary, list_checkpoints
+from flax_loop.cli import main
+from tests.helpers import ROOT, digits_loop
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    loop = digits_loop(n_steps=6, n_steps_per_checkpoint=2, n_devices=1)
+    return list(loop)
+
+
+def flip_a_byte(path, offset=200):
+    with open(path, "r+b") as stream:
+        stream.seek(offset)
+        byte = stream.read(1)
+        stream.seek(offset)
+        stream.write(bytes([byte[0] ^ 0xFF]))
+
+
+def inspect(*argv):
+    """(exit status, output) of the command line."""
+    output = io.StringIO()
+    status = main(list(map(str, argv)), console=Console(file=output, width=200))
+    return status, " ".join(output.getvalue().replace("│", " ").split())  # no cell borders
+
+
+@pytest.fixture
+def files(tmp_path, checkpoints):
+    """regular 2 (intact), 4 (damaged), 6 (intact), 8 (unreadable); a best file."""
+    with CheckpointFileWriter(output_dir=str(tmp_path), keep=3) as writer:
+        for checkpoint in checkpoints:
+            writer(checkpoint)
+    last = checkpoints[-1]
+    summary = Summary(**{**last.__dict__, "metrics": {"eval": {"accuracy": 0.5}}})
+    with HighestCheckpointFileWriter(
+        metric="accuracy", output_dir=str(tmp_path), stdout=False
+    ) as writer:
+        writer(summary)
+    flip_a_byte(tmp_path / "regular.4.ckpt")
+    os.mkdir(tmp_path / "regular.8.ckpt")  # the system refuses to read it as a file
+    return tmp_path
+
+
+def test_ls_lists_steps_kinds_status_and_the_file_a_resume_reads(files):
+    status, out = inspect("ls", files)
+    assert status == 0
+    for name in ("regular.2.ckpt", "regular.4.ckpt", "regular.6.ckpt", "regular.8.ckpt"):
+        assert name in out
+    assert "highest eval/accuracy" in out
+    assert "regular.4.ckpt: " in out and "fails its checksum" in out
+    assert "regular.8.ckpt: [Errno 21] Is a directory" in out
+    entries = {entry.name: entry for entry in list_checkpoints(str(files))}
+    assert entries["regular.2.ckpt"].status == "intact"
+    assert entries["regular.4.ckpt"].status == "damaged"
+    assert entries["regular.8.ckpt"].status == "unreadable"
+    # The newest intact file is the one a resume reads, not the unreadable 8.
+    assert [name for name, entry in entries.items() if entry.resume] == [
+        "highest.eval.accuracy.6.ckpt",
+        "regular.6.ckpt",
+    ]
+    assert out.count("<- resumes") == 2
+
+
+def test_verify_exits_1_naming_each_bad_file_and_0_when_all_are_intact(files):
+    status, out = inspect("verify", files)
+    assert status == 1
+    assert "damaged: " in out and "regular.4.ckpt" in out and "unreadable: " in out
+    assert "3 of 5 checkpoints" in out and "intact" in out
+    os.remove(files / "regular.4.ckpt")
+    os.rmdir(files / "regular.8.ckpt")
+    assert inspect("verify", files) == (0, f"3 of 3 checkpoints in {files} intact.")
+
+
+def test_show_prints_metadata_and_every_array(files):
+    status, out = inspect("show", files / "regular.6.ckpt")
+    assert status == 0
+    assert "step: 6" in out and "format version: 1" in out and "run key stored: yes" in out
+    assert "model_params/Dense_0/kernel (64, 64) float32 16.0 KiB" in out
+    assert "optimizer_state/0/mu/Dense_0/kernel (64, 64) float32" in out  # Adam's moments
+    status, out = inspect("show", files / "highest.eval.accuracy.6.ckpt")
+    assert '"accuracy": 0.5' in out
+    status, out = inspect("show", files / "regular.4.ckpt")
+    assert status == 2 and "fails its checksum" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "the following arguments are required"),
+        (["list", "x"], "invalid choice: 'list'"),
+        (["ls"], "the following arguments are required: dir"),
+        (["ls", "/no/such/directory"], "'/no/such/directory' is not a directory"),
+        (["show", "/no/such/file.ckpt"], "No such file or directory"),
+    ],
+    ids=["nothing", "unknown-command", "no-directory", "missing-directory", "missing-file"],
+)
+def test_bad_arguments_print_usage_or_why_and_exit_2(argv, message, capsys):
+    status, out = inspect(*argv)
+    err = " ".join(capsys.readouterr().err.split())
+    assert status == 2
+    assert message in out + err and "Traceback" not in out + err
+
+
+def test_orbax_directories_too(tmp_path, checkpoints):
+    with OrbaxCheckpointWriter(output_dir=str(tmp_path), keep=3) as writer:
+        for checkpoint in checkpoints:
+            writer(checkpoint)
+    status, out = inspect("ls", tmp_path)
+    assert status == 0 and out.count(" orbax ") == 3 and out.count("<- resumes") == 1
+    assert [entry.resume for entry in list_checkpoints(str(tmp_path))] == [False, False, True]
+    status, out = inspect("show", tmp_path / "6")
+    assert "step: 6" in out and "model_params/Dense_0/kernel (64, 64) float32" in out
+    shutil.rmtree(tmp_path / "4" / "state" / "d")  # its array data
+    status, out = inspect("verify", tmp_path)
+    assert status == 1 and "damaged: " in out and str(tmp_path / "4") in out
+    assert "2 of 3 checkpoints" in out
+
+
+def test_the_module_and_console_script_run(files):
+    result = subprocess.run(
+        [sys.executable, "-m", "flax_loop", "verify", str(files)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "regular.4.ckpt" in result.stdout
+    script = shutil.which("flax-loop")
+    if script is not None:  # installed with pip install -e .
+        assert subprocess.run([script, "ls", str(files)], capture_output=True).returncode == 0
