@@ -8,7 +8,11 @@ r"""`flax-loop`: what is in a checkpoint directory, which file is good, which re
 and on Orbax directories written by `OrbaxCheckpointWriter`. A bad argument
 prints the usage and exits with 2.
 
+>>> with CheckpointFileWriter(output_dir=str(tmp / "ckpts"), keep=2) as writer:
+...     for checkpoint in loop:
+...         _ = writer(checkpoint)
 >>> main(["verify", str(tmp / "ckpts")])
+2 of 2 checkpoints in ... intact.
 0
 """
 

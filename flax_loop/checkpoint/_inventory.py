@@ -2,6 +2,9 @@ r"""What a checkpoint directory holds: each checkpoint, its kind, and whether it
 
 The answers `flax-loop ls`, `verify` and `show` print, for programs too:
 
+>>> with CheckpointFileWriter(output_dir=str(tmp / "ckpts"), keep=2) as writer:
+...     for checkpoint in loop:
+...         _ = writer(checkpoint)
 >>> [(entry.name, entry.status, entry.resume) for entry in list_checkpoints(str(tmp / "ckpts"))]
 [('regular.3.ckpt', 'intact', False), ('regular.4.ckpt', 'intact', True)]
 """
