@@ -56,10 +56,63 @@ def read_metric(metrics: Any, group: str, metric: str, where: str) -> float:
     return number
 
 
-class _BestCheckpointFileWriter(CheckpointFileWriter):
+def check_best_arguments(owner: str, metric: Any, group: Any, output_dir: Any) -> None:
+    r"""A `ConfigError` for a best-metric writer's missing or empty argument."""
+    if output_dir is None:
+        raise ConfigError(f"{owner} needs output_dir, the directory to write to.")
+    for name, value in (("metric", metric), ("group", group)):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
+
+
+class KeepsBest:
+    r"""What a best-metric writer adds to its writer: the metric, the best value
+    so far, and writing a summary only when it beats it (`_write_best`)."""
+
     _kind = ""
     _initial = math.nan
     _better: Any
+    metric: str
+    group: str
+    output_dir: str
+
+    def _start_from(self, stored_metrics: Any, where: str | None, stdout: bool) -> None:
+        r"""Sets the best value from the newest stored checkpoint (`where`; `None`: none)."""
+        self._best_metric: float = self._initial
+        if where is not None:
+            self._best_metric = read_metric(stored_metrics, self.group, self.metric, where)
+        log(
+            f"The {self._kind} value of {self.group}/{self.metric} so far is "
+            f"{self._best_metric:.8g}."
+            if where is not None
+            else f"No checkpoint of the {self._kind} {self.group}/{self.metric} yet in "
+            f"{self.output_dir}.",
+            stdout=stdout,
+        )
+
+    @property
+    def best_metric(self) -> float:
+        r"""the best value of the metric seen so far (in the directory too)."""
+        return self._best_metric
+
+    def is_best(self, value: float) -> bool:
+        r"""Whether `value` beats the best value so far."""
+        return bool(self._better(value, self._best_metric))
+
+    def _write_best(self, summary: Summary) -> None:
+        raise NotImplementedError
+
+    def __call__(self, summary: Summary) -> Summary:
+        r"""Writes the summary if its metric is the best so far; returns it."""
+        expect(summary, Summary, type(self).__name__)
+        value = read_metric(summary.metrics, self.group, self.metric, "The summary")
+        if self.is_best(value):
+            self._write_best(summary)
+            self._best_metric = value
+        return summary
+
+
+class _BestCheckpointFileWriter(KeepsBest, CheckpointFileWriter):  # type: ignore[misc]
     _reader_type: type["_BestCheckpointFileReader"]
 
     def __init__(
@@ -73,46 +126,22 @@ class _BestCheckpointFileWriter(CheckpointFileWriter):
         *,
         background: bool = False,
     ) -> None:
-        if output_dir is None:
-            raise ConfigError(f"{type(self).__name__} needs output_dir, the directory to write to.")
-        for name, value in (("metric", metric), ("group", group)):
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
+        check_best_arguments(type(self).__name__, metric, group, output_dir)
         super().__init__(
-            output_dir=output_dir, keep=keep, overwrite=overwrite, background=background
+            output_dir=output_dir,  # type: ignore[arg-type]
+            keep=keep,
+            overwrite=overwrite,
+            background=background,
         )
-        self.metric = metric
-        self.group = group
+        self.metric, self.group = metric, group
         stored = self._reader_type(
             dir=self.output_dir, target=None, metric=metric, group=group
         ).read_newest()
-        self._best_metric: float = self._initial
-        if stored is not None:
-            self._best_metric = read_metric(stored.metrics, group, metric, str(stored.path))
-        log(
-            f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}."
-            if stored is not None
-            else f"No checkpoint of the {self._kind} {group}/{metric} yet in {self.output_dir}.",
-            stdout=stdout,
-        )
+        where = None if stored is None else str(stored.path)
+        self._start_from(None if stored is None else stored.metrics, where, stdout)
 
-    @property
-    def best_metric(self) -> float:
-        r"""the best value of the metric seen so far (in files too)."""
-        return self._best_metric
-
-    def is_best(self, value: float) -> bool:
-        r"""Whether `value` beats the best value so far."""
-        return bool(self._better(value, self._best_metric))
-
-    def __call__(self, summary: Summary) -> Summary:  # type: ignore[override]
-        r"""Writes the summary if its metric is the best so far; returns it."""
-        expect(summary, Summary, type(self).__name__)
-        value = read_metric(summary.metrics, self.group, self.metric, "The summary")
-        if self.is_best(value):
-            self.write(summary, self._prefix())
-            self._best_metric = value
-        return summary
+    def _write_best(self, summary: Summary) -> None:
+        self.write(summary, self._prefix())
 
 
 class LowestCheckpointFileWriter(_BestCheckpointFileWriter):

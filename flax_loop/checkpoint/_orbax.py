@@ -29,15 +29,15 @@ import jax
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._best import read_metric
+from flax_loop.checkpoint._best import KeepsBest, check_best_arguments
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile, restore_key
+from flax_loop.checkpoint._writer import check_writer_options
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
-    check_count,
 )
 from flax_loop.log import log
 from flax_loop.parallel import key_names
@@ -143,12 +143,7 @@ class OrbaxCheckpointWriter:
     r"""whether writes run in the background (Orbax's asynchronous save)."""
 
     def __post_init__(self) -> None:
-        check_count("keep", self.keep, 1)
-        if not isinstance(self.output_dir, (str, os.PathLike)):
-            raise ConfigError(f"output_dir must be a path; got {type(self.output_dir).__name__}.")
-        if self.overwrite not in (None, True, False):
-            raise ConfigError(f"overwrite must be None, True or False; got {self.overwrite!r}.")
-        self.output_dir = os.fspath(self.output_dir)
+        self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
         self._manager: Any = None
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
@@ -491,11 +486,7 @@ def _restore_tree(restore: Any, where: str, abstract: Any, *args: Any, **kwargs:
         raise
 
 
-class _BestOrbaxCheckpointWriter(OrbaxCheckpointWriter):
-    _kind = ""
-    _initial = math.nan
-    _better: Any
-
+class _BestOrbaxCheckpointWriter(KeepsBest, OrbaxCheckpointWriter):  # type: ignore[misc]
     def __init__(
         self,
         metric: str,
@@ -507,50 +498,23 @@ class _BestOrbaxCheckpointWriter(OrbaxCheckpointWriter):
         *,
         background: bool = True,
     ) -> None:
-        if output_dir is None:
-            raise ConfigError(f"{type(self).__name__} needs output_dir, the directory to write to.")
-        for name, value in (("metric", metric), ("group", group)):
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
+        check_best_arguments(type(self).__name__, metric, group, output_dir)
         super().__init__(
-            output_dir=output_dir, keep=keep, overwrite=overwrite, background=background
+            output_dir=output_dir,  # type: ignore[arg-type]
+            keep=keep,
+            overwrite=overwrite,
+            background=background,
         )
         self.metric, self.group = metric, group
-        self._best_metric: float = self._initial
-        newest = OrbaxCheckpointReader(dir=self.output_dir, target=None).steps()
-        if newest:
-            ocp = _orbax()
-            manager = _manager(self.output_dir, None, read_only=True)
-            where = os.path.join(self.output_dir, str(newest[-1]))
-            stored = manager.restore(
-                newest[-1], args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
-            )[META_ITEM]
-            meta = _decode_meta(stored, where)
-            self._best_metric = read_metric(meta.get("metrics"), group, metric, where)
-        log(
-            f"The {self._kind} value of {group}/{metric} so far is {self._best_metric:.8g}."
-            if newest
-            else f"No checkpoint of the {self._kind} {group}/{metric} yet in {self.output_dir}.",
-            stdout=stdout,
-        )
+        steps = OrbaxCheckpointReader(dir=self.output_dir, target=None).steps()
+        if not steps:
+            self._start_from(None, None, stdout)
+            return
+        meta, _ = read_orbax_step(self.output_dir, steps[-1])
+        self._start_from(meta.get("metrics"), os.path.join(self.output_dir, str(steps[-1])), stdout)
 
-    @property
-    def best_metric(self) -> float:
-        r"""the best value of the metric seen so far (in the directory too)."""
-        return self._best_metric
-
-    def is_best(self, value: float) -> bool:
-        r"""Whether `value` beats the best value so far."""
-        return bool(self._better(value, self._best_metric))
-
-    def __call__(self, summary: Summary) -> Summary:  # type: ignore[override]
-        r"""Writes the summary if its metric is the best so far; returns it."""
-        expect(summary, Summary, type(self).__name__)
-        value = read_metric(summary.metrics, self.group, self.metric, "The summary")
-        if self.is_best(value):
-            self.write(summary)
-            self._best_metric = value
-        return summary
+    def _write_best(self, summary: Summary) -> None:
+        self.write(summary)
 
 
 class LowestOrbaxCheckpointWriter(_BestOrbaxCheckpointWriter):

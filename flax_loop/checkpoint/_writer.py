@@ -65,12 +65,7 @@ class CheckpointFileWriter:
     r"""whether to write files on a worker thread, off the training loop's path."""
 
     def __post_init__(self) -> None:
-        check_count("keep", self.keep, 1)
-        if not isinstance(self.output_dir, (str, os.PathLike)):
-            raise ConfigError(f"output_dir must be a path; got {type(self.output_dir).__name__}.")
-        if self.overwrite not in (None, True, False):
-            raise ConfigError(f"overwrite must be None, True or False; got {self.overwrite!r}.")
-        self.output_dir = os.fspath(self.output_dir)
+        self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
         self._locks: dict[str, DirectoryLock] = {}
         self._mutex = threading.Lock()
         self._pending: Future[str] | None = None
@@ -192,6 +187,16 @@ class CheckpointFileWriter:
         for path in later + kept[self.keep :]:
             if path != written:
                 _file.remove_quietly(path)
+
+
+def check_writer_options(output_dir: Any, keep: Any, overwrite: Any) -> str:
+    r"""A writer's directory as a string, or a `ConfigError` for a bad option."""
+    check_count("keep", keep, 1)
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise ConfigError(f"output_dir must be a path; got {type(output_dir).__name__}.")
+    if overwrite not in (None, True, False):
+        raise ConfigError(f"overwrite must be None, True or False; got {overwrite!r}.")
+    return os.fspath(output_dir)
 
 
 def to_file(checkpoint: Checkpoint) -> CheckpointFile:
