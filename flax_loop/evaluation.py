@@ -50,6 +50,7 @@ class EvalLoop:
         *,
         devices: Sequence[Any] | None = None,
         group: str = "eval",
+        use_ema: bool = False,
     ) -> None:
         r"""Initializes the evaluation loop.
 
@@ -63,6 +64,8 @@ class EvalLoop:
             devices: the devices to evaluate on (e.g. the training loop's);
                 all of them by default.
             group: the name of the metric group in the summary.
+            use_ema: evaluate the checkpoint's moving average of the
+                parameters (`TrainLoop(ema_decay=...)`) instead of them.
         """
         if n_steps is not None:
             n_steps = check_count("n_steps", n_steps, 1)
@@ -80,6 +83,7 @@ class EvalLoop:
         self._apply = as_apply(task.apply, train=False)
         self._n_steps = n_steps
         self._group = group
+        self._use_ema = use_ema
         self._key = as_typed_key(rnkey)
         self._labels = labels_of(dict(collections or {}), "apply")
         self._placement = Placement(devices)
@@ -101,9 +105,16 @@ class EvalLoop:
 
     def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
         r"""The metrics of the checkpoint's model, averaged over examples."""
-        variables = self._placement.replicate(
-            {"params": checkpoint.model_params, **dict(checkpoint.model_state)}
-        )
+        params = checkpoint.model_params
+        if self._use_ema:
+            params = checkpoint.ema_params
+            if params is None:
+                raise ConfigError(
+                    f"EvalLoop(use_ema=True) was given the checkpoint of step "
+                    f"{checkpoint.step}, which has no ema_params: train with "
+                    "TrainLoop(ema_decay=0.999) (or any decay in (0, 1))."
+                )
+        variables = self._placement.replicate({"params": params, **dict(checkpoint.model_state)})
         step = int(checkpoint.step)
         totals: Totals | None = None
         in_flight = InFlight(self._placement.dispatch_depth)

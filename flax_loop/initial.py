@@ -55,6 +55,9 @@ class InitialState(NamedTuple):
     path: str | None = None
     r"""the file resumed from; `None` for a fresh start."""
 
+    ema_params: Any = None
+    r"""the moving average of the parameters stored in the file, if any."""
+
     def run_key(self, given: jax.Array, stdout: bool) -> jax.Array:
         r"""The run's key: the one stored in the file resumed from, so that the
         run stays one random stream (saying so when it differs from `given`)."""
@@ -78,6 +81,7 @@ def initial_state(
     mutable_collections: CollectionFilter,
     reader: Reader | None = None,
     layout: Layout | None = None,
+    ema: bool = False,
 ) -> InitialState:
     r"""The newest file of `reader`'s directory, or a fresh initialization.
 
@@ -116,6 +120,7 @@ def initial_state(
                 model_state=template[1],
                 optimizer_state=template[2],
                 step=0,
+                ema_params=template[0] if ema else None,
             )
         )
         if restored is not None and restored.optimizer_state is None:
@@ -138,6 +143,7 @@ def initial_state(
                 restored.rnkey,
                 restored.data_state,
                 restored.path,
+                restored.ema_params,
             )
     params, model_state, optimizer_state = _guarded(
         lambda: jax.jit(start, out_shardings=place)(key, *inputs), init, inputs, init_labels

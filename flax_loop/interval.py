@@ -62,8 +62,8 @@ class Intervals:
                 finite and the loop was told to raise.
         """
         n_completed = step - self.start
-        params, model_state, optimizer_state = self._placement.copy(
-            (state.model_params, state.model_state, state.optimizer_state)
+        params, model_state, optimizer_state, ema_params = self._placement.copy(
+            (state.model_params, state.model_state, state.optimizer_state, state.ema_params)
         )
         losses, self.losses = self.losses, []
         parts = [np.reshape(x, -1) for x in jax.device_get(losses)]
@@ -103,6 +103,7 @@ class Intervals:
             n_nonfinite_steps=n_nonfinite,
             train_metrics=train_metrics,
             losses=history.astype(np.float32),
+            ema_params=ema_params,
             preempted=preempted,
             rnkey=self._rnkey,
             data_state=self._feed.state(step),

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
@@ -122,6 +123,11 @@ class TrainLoop:
             `devices` (the batch is split along "data"; a rule may use the
             other axes, e.g. "model" for tensor parallelism).
         fsdp_min_bytes: with "fsdp", leaves smaller than this stay replicated.
+        ema_decay: keep an exponential moving average of the parameters,
+            updated in the compiled step (`ema = ema_decay * ema + (1 -
+            ema_decay) * params`, starting at the parameters), returned as
+            `Checkpoint.ema_params` and saved in checkpoints; `EvalLoop(...,
+            use_ema=True)` evaluates it.
 
     Raises:
         ConfigError: for an invalid argument.
@@ -150,6 +156,7 @@ class TrainLoop:
         sharding: Sharding = "replicated",
         mesh: Mesh | None = None,
         fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
+        ema_decay: float | None = None,
     ) -> None:
         with distributed.failing_together():
             started = time.perf_counter()
@@ -173,6 +180,13 @@ class TrainLoop:
             self._report = ProgressReport(console()) if progress and is_main_process() else None
             sharding = check_sharding(sharding)
             fsdp_min_bytes = check_count("fsdp_min_bytes", fsdp_min_bytes, 0)
+            if ema_decay is not None and not (
+                isinstance(ema_decay, (int, float)) and 0 < ema_decay < 1
+            ):
+                raise ConfigError(
+                    f"ema_decay must be a number between 0 and 1 (e.g. 0.999), or None "
+                    f"for no moving average; got {ema_decay!r}."
+                )
             self._placement = placement = Placement(devices, mesh)
             self._feed = BatchFeed(task.data, placement, steps_per_dispatch)
             inputs = (
@@ -198,6 +212,7 @@ class TrainLoop:
                 mutable_collections,
                 reader,
                 layout,
+                ema=ema_decay is not None,
             )
             if start.path is not None:
                 key = start.run_key(key, stdout)
@@ -205,8 +220,17 @@ class TrainLoop:
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)
             self._train_key = placement.replicate(train_key(key))
+            ema_params = None
+            if ema_decay is not None:
+                ema_params = start.ema_params
+                if ema_params is None:  # a fresh average starts at the parameters
+                    ema_params = jax.tree.map(lambda leaf: leaf.copy(), start.model_params)
             created = TrainState.create(
-                start.model_params, start.model_state, start.optimizer_state, self._step
+                start.model_params,
+                start.model_state,
+                start.optimizer_state,
+                self._step,
+                ema_params,
             )
             shardings = None
             if is_replicated(sharding):
@@ -228,6 +252,7 @@ class TrainLoop:
                 DATA_AXIS if placement.n_devices > 1 or shardings is not None else None,
                 skip_nonfinite=nonfinite == "skip",
                 shards=None if shardings is None else placement.batch_sharding,
+                ema_decay=ema_decay,
             )
             batch, stacked = self._feed.samples()
             self._steps = CompiledSteps(

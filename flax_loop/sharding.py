@@ -178,7 +178,10 @@ def state_shardings(
             optimizer, state.optimizer_state, state.model_params, params, replicated
         )
     everything_else = jax.tree.map(lambda _: replicated, state)
-    return everything_else._replace(model_params=params, optimizer_state=optimizer_state)
+    ema_params = None if state.ema_params is None else params  # laid out as the parameters
+    return everything_else._replace(
+        model_params=params, optimizer_state=optimizer_state, ema_params=ema_params
+    )
 
 
 def _follow_parameters(

@@ -44,6 +44,10 @@ class TrainState(NamedTuple):
     {name: value})`) over the finite steps since the last checkpoint; `{}`
     for a loss without them."""
 
+    ema_params: Any = None
+    r"""the exponential moving average of the parameters (`TrainLoop(ema_decay=...)`);
+    `None` without one."""
+
     @property
     def step(self) -> jax.Array:
         r"""the number of completed steps."""
@@ -51,7 +55,12 @@ class TrainState(NamedTuple):
 
     @classmethod
     def create(
-        cls, model_params: Any, model_state: Any, optimizer_state: Any, step: int
+        cls,
+        model_params: Any,
+        model_state: Any,
+        optimizer_state: Any,
+        step: int,
+        ema_params: Any = None,
     ) -> "TrainState":
         r"""A state at `step`, with empty interval sums."""
         return cls(
@@ -61,6 +70,7 @@ class TrainState(NamedTuple):
             optimizer_state=optimizer_state,
             loss_sum=jnp.zeros((), jnp.float32),
             metric_sums={},
+            ema_params=ema_params,
         )
 
 

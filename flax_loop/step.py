@@ -60,6 +60,7 @@ def build_update(
     axis_name: str | None,
     skip_nonfinite: bool = False,
     shards: NamedSharding | None = None,
+    ema_decay: float | None = None,
 ) -> Update:
     r"""The update of one step, as seen by one device (or, with `shards`, by all).
 
@@ -82,6 +83,9 @@ def build_update(
             replicated state, and the loss is their mean; its gradient is
             then the averaged gradient, and XLA reduces it as the
             parameters' layout needs (never one whole gradient per shard).
+        ema_decay: with a value, the state's `ema_params` become
+            `ema_decay * ema_params + (1 - ema_decay) * params` after each
+            applied update.
 
     Returns:
         `update(state, batch, key) -> (state, (loss, grads))`.
@@ -147,6 +151,17 @@ def build_update(
             params = _keep_if(finite, params, state.model_params)
             optimizer_state = _keep_if(finite, optimizer_state, state.optimizer_state)
             mutated = _keep_if(finite, mutated, {name: state.model_state[name] for name in mutated})
+        ema_params = state.ema_params
+        if ema_decay is not None:
+            ema_params = jax.tree.map(
+                lambda average, new: (
+                    average * ema_decay + new.astype(average.dtype) * (1 - ema_decay)
+                ),
+                state.ema_params,
+                params,
+            )
+            if skip_nonfinite:
+                ema_params = _keep_if(finite, ema_params, state.ema_params)
         _, n_bad, first_bad = state.counters
         bad = (~finite).astype(jnp.int32)
         counters = jnp.stack(
@@ -157,6 +172,7 @@ def build_update(
             model_params=params,
             model_state={**state.model_state, **mutated},
             optimizer_state=optimizer_state,
+            ema_params=ema_params,
             loss_sum=state.loss_sum + jnp.where(finite, loss_value, 0.0),
             metric_sums={
                 name: state.metric_sums.get(name, jnp.zeros((), jnp.float32))

@@ -67,6 +67,10 @@ class Checkpoint:
     `n_completed_steps` (kept on the devices while training and read once
     here); `None` for a checkpoint not made by a loop."""
 
+    ema_params: Any = field(default=None, kw_only=True, repr=False)
+    r"""the exponential moving average of the parameters, with
+    `TrainLoop(ema_decay=...)`; `None` without."""
+
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
 

@@ -57,6 +57,9 @@ class CheckpointFile:
     path: str | None = field(default=None, compare=False)
     r"""the file it was read from (`None` for one not read from a file)."""
 
+    ema_params: Any = field(default=None, repr=False)
+    r"""the moving average of the parameters, if the loop kept one."""
+
 
 def quote(name: str) -> str:
     r"""Encodes a group or metric name so that file names cannot collide."""
@@ -115,6 +118,8 @@ def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) 
         "model_state": serialization.to_state_dict(file.model_state),
         "optimizer_state": serialization.to_state_dict(file.optimizer_state),
     }
+    if file.ema_params is not None:
+        tree["ema_params"] = serialization.to_state_dict(file.ema_params)
     meta: dict[str, Any] = {
         "step": int(file.step),
         "metrics": _metrics_to_file(file.metrics),

@@ -172,8 +172,11 @@ class OrbaxCheckpointWriter:
             metrics=metrics,
             rnkey=checkpoint.rnkey,
             data_state=checkpoint.data_state,
+            ema_params=checkpoint.ema_params,
         )
         state = {part: getattr(file, part) for part in PARTS}
+        if file.ema_params is not None:
+            state["ema_params"] = file.ema_params
         try:
             manager.save(
                 step,
@@ -345,7 +348,13 @@ class OrbaxCheckpointReader:
                 f"metadata step {meta['step']}."
             )
         abstract = {part: _abstract(getattr(template, part)) for part in PARTS}
-        _check_compatible(manager.item_metadata(step)[STATE_ITEM], abstract, where)
+        index = manager.item_metadata(step)[STATE_ITEM]
+        stored_ema = any(
+            path.startswith("ema_params/") for path in _shapes(getattr(index, "tree", index))
+        )
+        if stored_ema:  # restored whether or not the loop keeps an average: dropped if not
+            abstract["ema_params"] = _abstract(template.model_params)
+        _check_compatible(index, abstract, where)
         state = _restore_tree(
             manager.restore,
             where,
@@ -363,6 +372,7 @@ class OrbaxCheckpointReader:
             rnkey=restore_key(meta, where),
             data_state=meta.get("data_state"),
             path=where,
+            ema_params=state.get("ema_params") if template.ema_params is not None else None,
         )
 
     def _restore_parameters(self, template: CheckpointFile) -> CheckpointFile:

@@ -99,6 +99,7 @@ class CheckpointFileReader:
                 rnkey=restore_key(meta, path),
                 data_state=meta.get("data_state"),
                 path=path,
+                ema_params=tree.get("ema_params"),
             )
         if problems:
             raise CheckpointCorruptError(
@@ -168,10 +169,13 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
         CheckpointMismatchError: naming the file and the paths that differ.
     """
     path = file.path or "the checkpoint"
-    want = _flatten(
-        {part: serialization.to_state_dict(getattr(template, part)) for part in STATE_PARTS}
-    )
-    have = _flatten({part: getattr(file, part) for part in STATE_PARTS})
+    # A moving average is restored when the loop keeps one and the file has
+    # one; a loop that starts keeping one starts it from the parameters.
+    parts: tuple[str, ...] = STATE_PARTS
+    if template.ema_params is not None and file.ema_params is not None:
+        parts = (*STATE_PARTS, "ema_params")
+    want = _flatten({part: serialization.to_state_dict(getattr(template, part)) for part in parts})
+    have = _flatten({part: getattr(file, part) for part in parts})
     for name, leaf in have.items():
         if name in want and hasattr(want[name], "shape") and not isinstance(leaf, np.ndarray):
             raise CheckpointCorruptError(
@@ -214,4 +218,5 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
         rnkey=file.rnkey,
         data_state=file.data_state,
         path=file.path,
+        ema_params=restored("ema_params") if "ema_params" in parts else None,
     )

@@ -94,11 +94,17 @@ class CheckpointFileWriter:
         file = to_file(checkpoint)
         # State split over several processes comes to process 0's host: every
         # process takes part in gathering it.
-        arrays = gather_split((file.model_params, file.model_state, file.optimizer_state))
+        arrays = gather_split(
+            (file.model_params, file.model_state, file.optimizer_state, file.ema_params)
+        )
         if not is_main_process():
             return checkpoint
         file = dataclasses.replace(
-            file, model_params=arrays[0], model_state=arrays[1], optimizer_state=arrays[2]
+            file,
+            model_params=arrays[0],
+            model_state=arrays[1],
+            optimizer_state=arrays[2],
+            ema_params=arrays[3],
         )
         self.wait()  # one write at a time: never race the previous one
         prefix = prefix or self._prefix()
@@ -210,14 +216,15 @@ def to_file(checkpoint: Checkpoint) -> CheckpointFile:
         metrics=metrics,
         rnkey=checkpoint.rnkey,
         data_state=checkpoint.data_state,
+        ema_params=checkpoint.ema_params,
     )
 
 
 def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
     r"""A copy of the file that nothing else changes: arrays in host memory,
     metadata deep-copied, ready for a worker thread."""
-    params, model_state, optimizer_state = to_host(
-        (file.model_params, file.model_state, file.optimizer_state)
+    params, model_state, optimizer_state, ema_params = to_host(
+        (file.model_params, file.model_state, file.optimizer_state, file.ema_params)
     )
     return CheckpointFile(
         model_params=params,
@@ -227,6 +234,7 @@ def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
         metrics=copy.deepcopy(file.metrics),
         rnkey=file.rnkey,
         data_state=copy.deepcopy(file.data_state),
+        ema_params=ema_params,
     )
 
 

@@ -1,0 +1,104 @@
+"""An exponential moving average of the parameters, kept on the devices."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import (
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    EvalLoop,
+    EvalTask,
+    OrbaxCheckpointReader,
+    OrbaxCheckpointWriter,
+)
+from flax_loop.errors import ConfigError
+from tests.helpers import MLP, ResumableBatches, accuracy, digits_loop, digits_split
+
+X, Y, X_TEST, Y_TEST = digits_split()
+DECAY = 0.9
+
+
+def ema_loop(n_steps=8, every=1, **options):
+    options.setdefault("data", ResumableBatches(X, Y, 32))
+    return digits_loop(
+        optimizer=optax.sgd(0.1),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=every,
+        ema_decay=DECAY,
+        **options,
+    )
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.mark.parametrize("options", [{"n_devices": 1}, {"sharding": "fsdp", "fsdp_min_bytes": 0}])
+def test_the_average_follows_a_numpy_ema_of_the_parameters(options):
+    start = MLP().init(jax.random.key(3), X[:1])["params"]
+    loop = ema_loop(init=lambda *args, **kwargs: {"params": start}, **options)
+    expected = host(start)
+    for checkpoint in loop:
+        params = host(checkpoint.model_params)
+        expected = jax.tree.map(
+            lambda average, new: np.float32(DECAY) * average + np.float32(1 - DECAY) * new,
+            expected,
+            params,
+        )
+        for got, want in zip(
+            jax.tree.leaves(host(checkpoint.ema_params)), jax.tree.leaves(expected)
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert checkpoint.step == 8
+    # It lags the parameters, as an average should.
+    assert not np.allclose(
+        host(checkpoint.ema_params)["Dense_0"]["kernel"], params["Dense_0"]["kernel"]
+    )
+    if "sharding" in options:
+        kernel = checkpoint.ema_params["Dense_0"]["kernel"]
+        assert kernel.sharding == checkpoint.model_params["Dense_0"]["kernel"].sharding
+
+
+@pytest.mark.parametrize(
+    "writer, reader",
+    [(CheckpointFileWriter, CheckpointFileReader), (OrbaxCheckpointWriter, OrbaxCheckpointReader)],
+    ids=["file", "orbax"],
+)
+def test_the_average_resumes_bitwise_from_a_checkpoint(tmp_path, writer, reader):
+    straight = list(ema_loop(n_steps=8, every=4))[-1]
+    with writer(output_dir=str(tmp_path)) as write:
+        write(ema_loop(n_steps=4, every=4).next_checkpoint())
+    resumed = ema_loop(n_steps=8, every=4, init=reader(dir=str(tmp_path), target=MLP().init))
+    assert resumed.step == 4
+    ending = list(resumed)[-1]
+    for a, b in zip(
+        jax.tree.leaves(host(ending.ema_params)), jax.tree.leaves(host(straight.ema_params))
+    ):
+        np.testing.assert_array_equal(a, b)
+    # A loop without an average resumes from the same directory, ignoring it.
+    plain = digits_loop(
+        optimizer=optax.sgd(0.1), n_steps=8, init=reader(dir=str(tmp_path), target=MLP().init)
+    )
+    assert plain.step == 4 and list(plain)[-1].ema_params is None
+
+
+def test_eval_loop_evaluates_the_average_when_asked():
+    checkpoint = list(ema_loop(n_steps=20, every=20))[-1]
+    task = EvalTask(MLP().apply, {"accuracy": accuracy}, [(X_TEST, Y_TEST)])
+    on_average = EvalLoop(task, rnkey=jax.random.key(1), use_ema=True)(checkpoint)
+    on_params = EvalLoop(task, rnkey=jax.random.key(1))(checkpoint)
+    logits = MLP().apply({"params": checkpoint.ema_params}, X_TEST)
+    expected = float(np.mean(np.argmax(np.asarray(logits), -1) == Y_TEST))
+    assert on_average.metrics["eval"]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert on_average.metrics["eval"]["accuracy"] != on_params.metrics["eval"]["accuracy"]
+    without = digits_loop(n_steps=1).next_checkpoint()
+    with pytest.raises(ConfigError, match="no ema_params"):
+        EvalLoop(task, rnkey=jax.random.key(1), use_ema=True)(without)
+
+
+@pytest.mark.parametrize("decay", [0, 1, 1.5, -0.1, "0.9"])
+def test_a_decay_outside_zero_and_one_is_a_config_error(decay):
+    with pytest.raises(ConfigError, match="ema_decay"):
+        digits_loop(n_steps=1, ema_decay=decay)
