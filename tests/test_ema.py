@@ -102,3 +102,36 @@ def test_eval_loop_evaluates_the_average_when_asked():
 def test_a_decay_outside_zero_and_one_is_a_config_error(decay):
     with pytest.raises(ConfigError, match="ema_decay"):
         digits_loop(n_steps=1, ema_decay=decay)
+
+
+def test_early_stopping_recipe_keeps_the_best_weights(tmp_path):
+    """README's recipe, with accuracies scripted so that the best is known."""
+    from flax_loop import HighestCheckpointFileReader, HighestCheckpointFileWriter
+    from flax_loop.checkpoint import Summary
+
+    scripted = iter([0.50, 0.70, 0.65, 0.69, 0.70, 0.90])  # best 0.70 at the 2nd, stalls 3x
+
+    def evaluate(checkpoint):
+        return Summary(**vars(checkpoint), metrics={"eval": {"accuracy": next(scripted)}})
+
+    keep_best = HighestCheckpointFileWriter(
+        metric="accuracy", output_dir=str(tmp_path), stdout=False
+    )
+    since_best, seen = 0, []
+    for checkpoint in digits_loop(n_steps=12, n_steps_per_checkpoint=2):
+        seen.append(checkpoint)
+        before = keep_best.best_metric
+        keep_best(evaluate(checkpoint))
+        since_best = 0 if keep_best.best_metric != before else since_best + 1
+        if since_best == 3:
+            break
+    keep_best.close()
+    assert [checkpoint.step for checkpoint in seen] == [2, 4, 6, 8, 10]  # stopped before 0.90
+    best = HighestCheckpointFileReader(
+        dir=str(tmp_path), target=MLP().init, metric="accuracy"
+    ).read_newest()
+    assert best.step == 4 and best.metrics["eval"]["accuracy"] == pytest.approx(0.70)
+    for a, b in zip(
+        jax.tree.leaves(best.model_params), jax.tree.leaves(host(seen[1].model_params))
+    ):
+        np.testing.assert_array_equal(a, b)
