@@ -3,7 +3,7 @@ r"""The model's contract: how `apply` and `loss` are called, and what they must 
 A model is a linen module's `apply(variables, *inputs, rngs=..., mutable=...)`
 (outputs, and with mutable collections `(outputs, mutated variables)`); a
 loss is `loss(*outputs, *targets)` returning a floating-point scalar.
-Violations become `ApplyError`s and `LossError`s that say what to pass.
+Violations become `ApplyError` and `LossError` exceptions that say what to pass.
 
 >>> check_loss(jnp.zeros(()), per_device=False).shape
 ()
@@ -29,7 +29,7 @@ def call_apply(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     r"""`apply(variables, *inputs, rngs=rngs[, mutable=mutable])` as
     `(outputs, mutated collections but params)`, its contract violations
-    turned into `ApplyError`s that say what to pass."""
+    turned into `ApplyError` exceptions that say what to pass."""
     mutated: dict[str, Any] = {}
     try:
         if mutable in (False, None):

@@ -111,7 +111,7 @@ class Placement:
 
     def place(self, tree: Any, shardings: Any) -> Any:
         r"""Places a pytree of host or device arrays with the given shardings
-        (a tree of `NamedSharding`s of the same structure)."""
+        (a tree of `NamedSharding` objects of the same structure)."""
         if not self.multiprocess:
             return jax.device_put(tree, shardings)
 

@@ -217,7 +217,7 @@ def compile_update(
             binding `DATA_AXIS`), or `"gspmd"` (a sharded state: an update
             built with `shards` runs as one program over the whole batch,
             XLA placing the collectives the state's shardings need).
-        shardings: the state's `NamedSharding`s (`"gspmd"`; replicated otherwise).
+        shardings: the state's `NamedSharding` objects (`"gspmd"`; replicated otherwise).
 
     Returns:
         the compiled `update(state, batch, key) -> (state, loss)`, or

@@ -292,12 +292,12 @@ class OrbaxCheckpointReader:
         r"""The newest intact step restored into `template`'s structure.
 
         Args:
-            template: the state at step 0 (arrays, or `jax.ShapeDtypeStruct`s
+            template: the state at step 0 (arrays, or `jax.ShapeDtypeStruct` objects
                 whose `sharding` says where each restored array goes; without
                 one, it goes to the first local device).
 
         Returns:
-            the state as `jax.Array`s in the template's layout, or `None` when
+            the state as `jax.Array` objects in the template's layout, or `None` when
             the directory holds no checkpoint. From a directory of parameters
             only, the file has `step=0` and no optimizer or model state.
 
@@ -434,7 +434,7 @@ def read_orbax_step(
 
 
 def _abstract(tree: Any) -> Any:
-    r"""`jax.ShapeDtypeStruct`s with shardings: where each restored array goes."""
+    r"""`jax.ShapeDtypeStruct` objects with shardings: where each restored array goes."""
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def abstract(leaf: Any) -> jax.ShapeDtypeStruct:

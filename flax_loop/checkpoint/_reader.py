@@ -113,7 +113,7 @@ class CheckpointFileReader:
         r"""The newest file restored into `template`'s structure and dtypes.
 
         Args:
-            template: the state at step 0 (arrays, or `jax.ShapeDtypeStruct`s),
+            template: the state at step 0 (arrays, or `jax.ShapeDtypeStruct` objects),
                 giving the expected tree, shapes and dtypes.
 
         Returns:
