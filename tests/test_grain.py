@@ -1,0 +1,66 @@
+"""grain pipelines as training and evaluation data, resumed exactly through their own state."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import CheckpointFileReader, CheckpointFileWriter, EvalLoop, EvalTask
+from tests.helpers import MLP, accuracy, digits_loop, digits_split
+
+grain = pytest.importorskip("grain")
+
+X, Y, X_TEST, Y_TEST = digits_split()
+
+
+def pipeline(x=X, y=Y, seed=0):
+    """Shuffled digits in batches of 32: 46 batches an epoch, the partial one dropped."""
+    return (
+        grain.MapDataset.source(list(zip(x, y)))
+        .shuffle(seed=seed)
+        .map(lambda example: (example[0] * 2.0 - 1.0, example[1]))
+        .batch(32, drop_remainder=True, batch_fn=lambda rows: tuple(map(np.stack, zip(*rows))))
+        .to_iter_dataset()
+    )
+
+
+def loop(n_steps, **options):
+    return digits_loop(
+        optimizer=optax.adam(1e-2),
+        data=pipeline(),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=30,
+        n_devices=1,
+        **options,
+    )
+
+
+def test_a_grain_pipeline_resumes_bitwise_across_an_epoch_boundary(tmp_path):
+    straight = list(loop(60))[-1]  # 60 steps: into the second epoch
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as writer:
+        first = loop(30).next_checkpoint()
+        writer(first)
+    state = first.data_state["flax_loop/epoch"]
+    assert state["epoch"] == 0 and state["batches"] == 30 and "state" in state  # grain's own
+    resumed = loop(60, init=CheckpointFileReader(dir=str(tmp_path), target=MLP().init))
+    assert resumed.step == 30
+    ending = list(resumed)[-1]
+    assert ending.data_state["flax_loop/epoch"]["epoch"] == 1
+    for a, b in zip(jax.tree.leaves(ending.model_params), jax.tree.leaves(straight.model_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_grain_dataset_is_eval_data_read_whole_each_time():
+    batches = (
+        grain.MapDataset.source(list(zip(X_TEST, Y_TEST))).batch(
+            64, batch_fn=lambda rows: tuple(map(np.stack, zip(*rows)))
+        )  # 4 x 64 + 44
+    )
+    checkpoint = digits_loop(n_steps=5, n_devices=1).next_checkpoint()
+    task = EvalTask(MLP().apply, {"accuracy": accuracy}, batches)
+    evaluate = EvalLoop(task, rnkey=jax.random.key(1), n_steps=None)
+    first, second = evaluate(checkpoint), evaluate(checkpoint)
+    logits = MLP().apply({"params": checkpoint.model_params}, X_TEST)
+    expected = float(np.mean(np.argmax(np.asarray(logits), -1) == Y_TEST))
+    assert first.metrics["eval"]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert second.metrics == first.metrics
