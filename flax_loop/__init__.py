@@ -34,6 +34,7 @@ from flax_loop.jsonlines import JsonLinesWriter
 from flax_loop.log import set_console
 from flax_loop.loop import TrainLoop
 from flax_loop.parallel import DATA_AXIS
+from flax_loop.profiling import ProfileSteps
 from flax_loop.task import EvalTask, TrainTask
 from flax_loop.tensorboard import SummaryWriter
 from flax_loop.version import __version__
@@ -63,6 +64,7 @@ __all__ = [
     "Metrics",
     "OrbaxCheckpointReader",
     "OrbaxCheckpointWriter",
+    "ProfileSteps",
     "Summary",
     "SummaryLogger",
     "SummaryWriter",

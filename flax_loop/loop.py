@@ -41,6 +41,7 @@ from flax_loop.log import console, is_main_process, log
 from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
+from flax_loop.profiling import ProfileSteps
 from flax_loop.progress import ProgressReport
 from flax_loop.random import as_typed_key, labels_of, train_key
 from flax_loop.sharding import (
@@ -109,7 +110,7 @@ class TrainLoop:
             terminal. It never waits for the devices.
         preemption_signals: signals that make the loop finish the current
             step, yield a checkpoint marked `preempted` and stop (SIGTERM and
-            SIGINT by default; `()` to disable).
+            SIGINT with the default, None; `()` to disable).
         steps_per_dispatch: steps per compiled call (a `jax.lax.scan` over
             stacked batches), for models so small that dispatching a step
             costs more than computing it. Checkpoints keep their steps.
@@ -128,6 +129,7 @@ class TrainLoop:
             ema_decay) * params`, starting at the parameters), returned as
             `Checkpoint.ema_params` and saved in checkpoints; `EvalLoop(...,
             use_ema=True)` evaluates it.
+        profile: a `ProfileSteps` window of steps to trace with `jax.profiler`.
 
     Raises:
         ConfigError: for an invalid argument.
@@ -151,12 +153,13 @@ class TrainLoop:
         *,
         nonfinite: str = "raise",
         progress: bool = False,
-        preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
+        preemption_signals: Sequence[int] | None = None,
         steps_per_dispatch: int = 1,
         sharding: Sharding = "replicated",
         mesh: Mesh | None = None,
         fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
         ema_decay: float | None = None,
+        profile: ProfileSteps | None = None,
     ) -> None:
         with distributed.failing_together():
             started = time.perf_counter()
@@ -176,7 +179,16 @@ class TrainLoop:
                     f"got {init_fn!r}."
                 )
             self._stdout = stdout
-            self._guard = PreemptionGuard(preemption_signals)
+            if profile is not None and not isinstance(profile, ProfileSteps):
+                raise ConfigError(
+                    f"profile must be a ProfileSteps(start=..., n=..., log_dir=...); "
+                    f"got {profile!r}."
+                )
+            self.profile = profile
+            r"""the window of steps traced, if any (its `traced_steps`)."""
+            self._guard = PreemptionGuard(
+                DEFAULT_SIGNALS if preemption_signals is None else preemption_signals
+            )
             self._report = ProgressReport(console()) if progress and is_main_process() else None
             sharding = check_sharding(sharding)
             fsdp_min_bytes = check_count("fsdp_min_bytes", fsdp_min_bytes, 0)
@@ -344,6 +356,8 @@ class TrainLoop:
                 yield
         finally:
             self._guard.uninstall()
+            if self.profile is not None:
+                self.profile.finish()  # never leave a trace running
             if self._report is not None:
                 self._report.stop()
 
@@ -405,7 +419,7 @@ class TrainLoop:
         # The per-step path reads locals only: at ~25 us a step (a small MLP on
         # this CPU), each attribute lookup or call here is measurable.
         steps, take, key, guard = self._steps, self._feed.take, self._train_key, self._guard
-        intervals = self._intervals
+        intervals, profile = self._intervals, self.profile
         losses = intervals.losses  # every dispatch's loss(es), read once at the checkpoint
         queue = InFlight(self._placement.dispatch_depth)
         # Several processes must stop at the same step: they agree on it at
@@ -418,6 +432,11 @@ class TrainLoop:
             if dispatch is None:
                 break
             batch, n_steps, last, short = dispatch
+            traced = profile is not None and profile.wants(step + 1, step + n_steps)
+            if traced:
+                profile.begin()  # type: ignore[union-attr]
+                annotation = profile.annotate(step + 1)  # type: ignore[union-attr]
+                annotation.__enter__()
             if short:
                 self._state, loss, grads = steps.shorter(self._state, batch, key)
                 if last:
@@ -428,6 +447,9 @@ class TrainLoop:
                 self._state, loss, intervals.grads = steps.last(self._state, batch, key)
             else:
                 self._state, loss = steps.one(self._state, batch, key)
+            if traced:
+                annotation.__exit__(None, None, None)
+                profile.record(step + 1, step + n_steps, loss)  # type: ignore[union-attr]
             self._step = step = step + n_steps
             losses.append(loss)
             queue.push(loss)
