@@ -33,6 +33,7 @@ from flax_loop.evaluation import EvalLoop
 from flax_loop.jsonlines import JsonLinesWriter
 from flax_loop.log import set_console
 from flax_loop.loop import TrainLoop
+from flax_loop.metric_store import MLflowWriter
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.profiling import ProfileSteps
 from flax_loop.task import EvalTask, TrainTask
@@ -61,6 +62,7 @@ __all__ = [
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
     "LowestOrbaxCheckpointWriter",
+    "MLflowWriter",
     "Metrics",
     "OrbaxCheckpointReader",
     "OrbaxCheckpointWriter",

@@ -20,6 +20,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="flax
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# MLflow 3 refuses its local file store unless told; the tests use it (no
+# server, no database), as the issue of metric stores asks.
+os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
