@@ -19,6 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="flax_loop-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Worker processes read the digits from here rather than import scikit-learn.
+os.environ.setdefault(
+    "FLAX_LOOP_DIGITS",
+    os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "digits.npz"),
+)
 
 # MLflow 3 refuses its local file store unless told; the tests use it (no
 # server, no database), as the issue of metric stores asks.
