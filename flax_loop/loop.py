@@ -208,12 +208,12 @@ class TrainLoop:
             )
             key = as_typed_key(rnkey)
 
+            def shardings_of(state: TrainState) -> TrainState:
+                return state_shardings(sharding, placement, state, task.optimizer, fsdp_min_bytes)
+
             def layout(params: Any, model_state: Any, optimizer_state: Any) -> Any:
-                template = TrainState.create(params, model_state, optimizer_state, 0)
-                shardings = state_shardings(
-                    sharding, placement, template, task.optimizer, fsdp_min_bytes
-                )
-                return shardings.model_params, shardings.model_state, shardings.optimizer_state
+                laid = shardings_of(TrainState.create(params, model_state, optimizer_state, 0))
+                return laid.model_params, laid.model_state, laid.optimizer_state
 
             start = initial_state(
                 init_fn,
@@ -248,9 +248,7 @@ class TrainLoop:
             if is_replicated(sharding):
                 self._state = placement.replicate(created)
             else:
-                shardings = state_shardings(
-                    sharding, placement, created, task.optimizer, fsdp_min_bytes
-                )
+                shardings = shardings_of(created)
                 self._state = placement.place(created, shardings)
             apply_labels = labels_of(collections, "apply")
             if is_nnx(task.apply) and not apply_labels:

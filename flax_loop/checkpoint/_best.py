@@ -1,5 +1,6 @@
 r"""Keeping the checkpoint with the lowest or highest value of a metric."""
 
+import abc
 import math
 import operator
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def check_best_arguments(owner: str, metric: Any, group: Any, output_dir: Any) -
             raise ConfigError(f"{name} must be a non-empty string; got {value!r}.")
 
 
-class KeepsBest:
+class KeepsBest(abc.ABC):
     r"""What a best-metric writer adds to its writer: the metric, the best value
     so far, and writing a summary only when it beats it (`_write_best`)."""
 
@@ -99,8 +100,9 @@ class KeepsBest:
         r"""Whether `value` beats the best value so far."""
         return bool(self._better(value, self._best_metric))
 
+    @abc.abstractmethod
     def _write_best(self, summary: Summary) -> None:
-        raise NotImplementedError
+        r"""Writes a summary that beats the best so far (the writer's own way)."""
 
     def __call__(self, summary: Summary) -> Summary:
         r"""Writes the summary if its metric is the best so far; returns it."""

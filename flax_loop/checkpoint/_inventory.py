@@ -154,7 +154,7 @@ def _directory_size(path: str) -> int:
 
 
 def _orbax_entries(directory: str) -> list[CheckpointEntry]:
-    from flax_loop.checkpoint._orbax import read_orbax_step
+    from flax_loop.checkpoint._orbax_store import read_orbax_step
 
     entries = []
     for name in sorted((n for n in os.listdir(directory) if n.isdigit()), key=int):
@@ -184,7 +184,7 @@ def read_contents(path: str) -> CheckpointContents:
         CheckpointError: if it cannot be read (damaged, unreadable, neither).
     """
     if os.path.isdir(path):
-        from flax_loop.checkpoint._orbax import read_orbax_step
+        from flax_loop.checkpoint._orbax_store import read_orbax_step
 
         directory, name = os.path.split(os.path.abspath(path))
         if not name.isdigit():

@@ -16,8 +16,6 @@ state). Needs `pip install flax_loop[orbax]`.
 """
 
 import atexit
-import base64
-import logging
 import math
 import operator
 import os
@@ -25,13 +23,24 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-import msgpack
-import numpy as np
-
 from flax_loop.checkpoint._best import KeepsBest, check_best_arguments
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile, restore_key
+from flax_loop.checkpoint._orbax_store import (
+    FORMAT_VERSION,
+    META_ITEM,
+    PARTS,
+    STATE_ITEM,
+    abstract_tree,
+    array_shapes,
+    check_compatible,
+    decode_meta,
+    encode_meta,
+    open_manager,
+    orbax_module,
+    read_orbax_step,
+    restore_tree,
+)
 from flax_loop.checkpoint._writer import check_writer_options
 from flax_loop.errors import (
     CheckpointCorruptError,
@@ -40,79 +49,6 @@ from flax_loop.errors import (
     ConfigError,
 )
 from flax_loop.log import log
-from flax_loop.parallel import key_names
-from flax_loop.random import key_data
-
-FORMAT_NAME = "flax_loop.orbax"
-FORMAT_VERSION = 1
-STATE_ITEM, META_ITEM = "state", "meta"
-PARTS = ("model_params", "model_state", "optimizer_state")
-
-
-def _orbax() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as error:  # pragma: no cover - orbax comes with flax
-        raise ConfigError(
-            "Orbax checkpoints need orbax-checkpoint: pip install 'flax_loop[orbax]'."
-        ) from error
-    return ocp
-
-
-def _manager(directory: str, keep: int | None, read_only: bool) -> Any:
-    ocp = _orbax()
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
-        read_only=read_only,
-        create=not read_only,
-        save_interval_steps=0 if read_only else 1,
-    )
-    absl = logging.getLogger("absl")
-    level = absl.level
-    if read_only:  # Orbax warns that a reader's directory is read-only: it is meant to be
-        absl.setLevel(logging.ERROR)
-    try:
-        return ocp.CheckpointManager(
-            os.path.abspath(directory),
-            options=options,
-            item_handlers={
-                STATE_ITEM: ocp.StandardCheckpointHandler(),
-                META_ITEM: ocp.JsonCheckpointHandler(),
-            },
-        )
-    finally:
-        absl.setLevel(level)
-
-
-def _encode_meta(file: CheckpointFile) -> dict[str, Any]:
-    meta: dict[str, Any] = {"step": int(file.step), "metrics": file.metrics or {}}
-    if file.rnkey is not None:
-        impl, data = key_data(file.rnkey)
-        meta["rnkey"] = {"impl": impl, "data": np.asarray(data).tolist()}
-    if file.data_state is not None:
-        meta["data_state"] = file.data_state
-    packed = msgpack.packb(meta, use_bin_type=True)
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "step": int(file.step),
-        "meta": base64.b64encode(packed).decode(),
-    }
-
-
-def _decode_meta(stored: Any, where: str) -> dict[str, Any]:
-    try:
-        if stored.get("format") != FORMAT_NAME:
-            raise ValueError(f"format {stored.get('format')!r}")
-        meta = msgpack.unpackb(base64.b64decode(stored["meta"]), strict_map_key=False)
-        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-            raise ValueError("no step")
-        return meta
-    except Exception as error:
-        raise CheckpointCorruptError(
-            f"{where} is damaged: its flax_loop metadata cannot be read ({error})."
-        ) from error
-
 
 _open_writers: "weakref.WeakSet[OrbaxCheckpointWriter]" = weakref.WeakSet()
 
@@ -158,7 +94,7 @@ class OrbaxCheckpointWriter:
             CheckpointError: if a later step is in the way, or Orbax fails.
         """
         expect(checkpoint, Checkpoint, type(self).__name__)
-        ocp = _orbax()
+        ocp = orbax_module()
         manager = self._open()
         step = int(checkpoint.step)
         manager.wait_until_finished()
@@ -183,7 +119,7 @@ class OrbaxCheckpointWriter:
                 args=ocp.args.Composite(
                     **{
                         STATE_ITEM: ocp.args.StandardSave(state),
-                        META_ITEM: ocp.args.JsonSave(_encode_meta(file)),
+                        META_ITEM: ocp.args.JsonSave(encode_meta(file)),
                     }
                 ),
                 force=True,
@@ -199,7 +135,7 @@ class OrbaxCheckpointWriter:
 
     def _open(self) -> Any:
         if self._manager is None:
-            self._manager = _manager(self.output_dir, self.keep, read_only=False)
+            self._manager = open_manager(self.output_dir, self.keep, read_only=False)
             _open_writers.add(self)
         return self._manager
 
@@ -280,7 +216,7 @@ class OrbaxCheckpointReader:
         r"""The steps the directory holds, oldest first."""
         if not os.path.isdir(self.dir) or self._holds_parameters_only():
             return []
-        return sorted(_manager(self.dir, None, read_only=True).all_steps())
+        return sorted(open_manager(self.dir, None, read_only=True).all_steps())
 
     def _holds_parameters_only(self) -> bool:
         return any(
@@ -314,7 +250,7 @@ class OrbaxCheckpointReader:
             return None
         if self._holds_parameters_only():
             return self._restore_parameters(template)
-        manager = _manager(self.dir, None, read_only=True)
+        manager = open_manager(self.dir, None, read_only=True)
         problems = []
         for step in sorted(manager.all_steps(), reverse=True):
             where = os.path.join(self.dir, str(step))
@@ -335,8 +271,8 @@ class OrbaxCheckpointReader:
     def _restore_step(
         self, manager: Any, step: int, template: CheckpointFile, where: str
     ) -> CheckpointFile:
-        ocp = _orbax()
-        meta = _decode_meta(
+        ocp = orbax_module()
+        meta = decode_meta(
             manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[
                 META_ITEM
             ],
@@ -347,15 +283,15 @@ class OrbaxCheckpointReader:
                 f"{where} is damaged or renamed: its folder says step {step}, its "
                 f"metadata step {meta['step']}."
             )
-        abstract = {part: _abstract(getattr(template, part)) for part in PARTS}
+        abstract = {part: abstract_tree(getattr(template, part)) for part in PARTS}
         index = manager.item_metadata(step)[STATE_ITEM]
         stored_ema = any(
-            path.startswith("ema_params/") for path in _shapes(getattr(index, "tree", index))
+            path.startswith("ema_params/") for path in array_shapes(getattr(index, "tree", index))
         )
         if stored_ema:  # restored whether or not the loop keeps an average: dropped if not
-            abstract["ema_params"] = _abstract(template.model_params)
-        _check_compatible(index, abstract, where)
-        state = _restore_tree(
+            abstract["ema_params"] = abstract_tree(template.model_params)
+        check_compatible(index, abstract, where)
+        state = restore_tree(
             manager.restore,
             where,
             abstract,
@@ -376,12 +312,12 @@ class OrbaxCheckpointReader:
         )
 
     def _restore_parameters(self, template: CheckpointFile) -> CheckpointFile:
-        ocp = _orbax()
-        abstract = _abstract(template.model_params)
+        ocp = orbax_module()
+        abstract = abstract_tree(template.model_params)
         with ocp.StandardCheckpointer() as checkpointer:
             stored = checkpointer.metadata(os.path.abspath(self.dir))
-            _check_compatible(getattr(stored, "item_metadata", None), abstract, self.dir)
-            params = _restore_tree(
+            check_compatible(getattr(stored, "item_metadata", None), abstract, self.dir)
+            params = restore_tree(
                 checkpointer.restore, self.dir, abstract, os.path.abspath(self.dir), abstract
             )
         return CheckpointFile(
@@ -391,109 +327,6 @@ class OrbaxCheckpointReader:
             step=0,
             path=self.dir,
         )
-
-
-def read_orbax_step(
-    directory: str, step: int, read_arrays: bool = False
-) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str]]]:
-    r"""A step's flax_loop metadata and its arrays' paths, shapes and dtypes
-    (from Orbax's index); with `read_arrays`, every array is read too (onto
-    the first local device), so that a missing or truncated one shows.
-
-    Raises:
-        CheckpointCorruptError: if the metadata or the index cannot be read.
-    """
-    ocp = _orbax()
-    where = os.path.join(directory, str(step))
-    manager = _manager(directory, None, read_only=True)
-    stored = manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
-    meta = _decode_meta(stored[META_ITEM], where)
-    meta["version"] = stored[META_ITEM].get("version")
-    if meta["step"] != step:
-        raise CheckpointCorruptError(
-            f"{where} is damaged or renamed: its folder says step {step}, its "
-            f"metadata step {meta['step']}."
-        )
-    index = manager.item_metadata(step)[STATE_ITEM]
-    if index is None:
-        raise CheckpointCorruptError(f"{where} is damaged: its array index cannot be read.")
-    tree = getattr(index, "tree", index)
-    if read_arrays:
-        abstract = _abstract(
-            jax.tree.map(
-                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
-                tree,
-                is_leaf=lambda node: hasattr(node, "shape"),
-            )
-        )
-        manager.restore(
-            step,
-            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)}),
-        )
-    return meta, _shapes(tree)
-
-
-def _abstract(tree: Any) -> Any:
-    r"""`jax.ShapeDtypeStruct` objects with shardings: where each restored array goes."""
-    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-    def abstract(leaf: Any) -> jax.ShapeDtypeStruct:
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, jax.sharding.Sharding):
-            sharding = default
-        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
-
-    return jax.tree.map(abstract, tree)
-
-
-def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    leaves = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda node: node is None or hasattr(node, "shape")
-    )[0]
-    return {
-        "/".join(key_names(path)): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
-        for path, leaf in leaves
-        if leaf is not None
-    }
-
-
-def _check_compatible(metadata: Any, abstract: Any, where: str) -> None:
-    r"""A `CheckpointMismatchError` naming the paths whose shapes or dtypes
-    differ between the stored arrays and the loop's (before Orbax reads any)."""
-    if metadata is None:
-        return
-    stored, wanted = _shapes(getattr(metadata, "tree", metadata)), _shapes(abstract)
-    problems = [f"{path} is missing" for path in wanted if path not in stored]
-    problems += [f"{path} is not in the loop's state" for path in stored if path not in wanted]
-    problems += [
-        f"{path}: stored {stored[path][0]} {stored[path][1]}, the loop's "
-        f"{wanted[path][0]} {wanted[path][1]}"
-        for path in wanted
-        if path in stored and stored[path] != wanted[path]
-    ]
-    if problems:
-        shown = "; ".join(problems[:6]) + (
-            f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
-        )
-        raise CheckpointMismatchError(
-            f"{where} holds another model or optimizer than the loop's ({shown}). Resume "
-            "with the model and optimizer that wrote it, or write to a new directory."
-        )
-
-
-def _restore_tree(restore: Any, where: str, abstract: Any, *args: Any, **kwargs: Any) -> Any:
-    r"""Orbax's restore, with a mismatch of trees, shapes or dtypes reported as such."""
-    try:
-        return restore(*args, **kwargs)
-    except (ValueError, KeyError, TypeError) as error:
-        text = str(error)
-        if any(word in text.lower() for word in ("shape", "structure", "dtype", "key", "tree")):
-            raise CheckpointMismatchError(
-                f"{where} holds another model or optimizer than the loop's: {text[:2000]} "
-                "Resume with the model and optimizer that wrote it, or write to a new "
-                "directory."
-            ) from error
-        raise
 
 
 class _BestOrbaxCheckpointWriter(KeepsBest, OrbaxCheckpointWriter):  # type: ignore[misc]
