@@ -80,8 +80,9 @@ WORKLOADS = {
 }
 
 
-def hand_written(model, optimizer, batches, n_devices, rngs, depth):
-    """A plain training loop; returns run(n_steps) -> seconds."""
+def hand_written(model, optimizer, batches, n_devices, rngs, depth, source=None):
+    """A plain training loop; returns run(n_steps) -> seconds. It cycles
+    `batches`, or reads `source` (an iterator) when given one."""
     devices = jax.devices()[:n_devices]
     x0, _ = batches[0]
     variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x0)
@@ -134,7 +135,7 @@ def hand_written(model, optimizer, batches, n_devices, rngs, depth):
     loss.block_until_ready()
 
     def run(n_steps):
-        stream = itertools.cycle(batches)
+        stream = itertools.cycle(batches) if source is None else source
         in_flight = deque()
         started = time.perf_counter()
         state = holder["state"]

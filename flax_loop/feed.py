@@ -10,6 +10,14 @@ A re-iterable source (a list, a `DataLoader`, a grain dataset: anything
 whose `iter()` gives a fresh iterator) is read epoch after epoch; a one-shot
 iterator ends training when it ends.
 
+A slow source is read by a background thread (`flax_loop.prefetch`), a few
+batches ahead, while the devices compute: from the start with `prefetch=N`,
+or, by default, once its first reads took `PREFETCH_AFTER_SECONDS` or more
+each (a source in memory stays inline, where a thread would only cost). The
+data state of each batch is then recorded as it is read, so a checkpoint
+still saves the state after its last trained batch, however far the thread
+has read.
+
 >>> feed = BatchFeed([(np.zeros((8, 3)), np.zeros(8))] * 2, Placement(), steps_per_dispatch=1)
 >>> batch, n_steps, last, short = feed.take(remaining=10, stopping=False, next_step=1)
 >>> n_steps, last, short
@@ -17,6 +25,8 @@ iterator ends training when it ends.
 """
 
 import copy
+import statistics
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,15 +36,23 @@ import numpy as np
 
 from flax_loop import distributed
 from flax_loop.batch import Batch, BatchSpec, normalize_batch
-from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
+from flax_loop.errors import BatchError, ConfigError, DataExhaustedError, FlaxLoopError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
+from flax_loop.prefetch import Failed, Prefetcher
 
 PER_PROCESS = "flax_loop/per_process"
 r"""The key of a data state saved by several processes, one per process."""
 
 EPOCH = "flax_loop/epoch"
 r"""The key of a re-iterable source's data state: the epoch, and the position in it."""
+
+PREFETCH_AFTER_SECONDS = 2e-4
+r"""With the default `prefetch=None`, a source whose first reads took this
+long or longer (the median of `PROBE_READS`) is read by a background thread."""
+
+PROBE_READS = 8
+r"""How many reads the default `prefetch=None` times before it decides."""
 
 
 Dispatch = tuple[Any, int, bool, bool]
@@ -52,6 +70,9 @@ class BatchFeed:
         data: the task's data: an iterator, or an iterable read epoch after epoch.
         placement: the devices the batches go to.
         steps_per_dispatch: how many batches to stack for one dispatch.
+        prefetch: batches a background thread reads ahead: `None` decides
+            after the first reads (a thread if they are slow), `0` reads
+            inline, `N >= 1` starts the thread at once.
 
     Raises:
         ConfigError: if `data` cannot be iterated.
@@ -59,7 +80,9 @@ class BatchFeed:
         BatchError: if the first batch has the wrong form or size.
     """
 
-    def __init__(self, data: Any, placement: Placement, steps_per_dispatch: int) -> None:
+    def __init__(
+        self, data: Any, placement: Placement, steps_per_dispatch: int, prefetch: int | None = None
+    ) -> None:
         try:
             iterator = iter(data)
         except TypeError as error:
@@ -75,12 +98,23 @@ class BatchFeed:
         # the devices by the call itself); several processes assemble theirs.
         self._place = placement.shard_batch if placement.multiprocess else _as_is
         self._many = steps_per_dispatch
-        self._ahead: deque[Batch] = deque()
+        # (batch, the data state after it): the state only while states are
+        # recorded per batch (`_exact`, or deciding whether to prefetch).
+        self._ahead: deque[tuple[Batch, Any]] = deque()
         self._peeked: Any = _NOTHING  # a raw batch read to see if the stream ends
         self._noted_drop = False
         self._spec: BatchSpec | None = None
         self.exhausted = False
+        self._depth = prefetch if prefetch else steps_per_dispatch + 2
+        self._prefetcher: Prefetcher | None = None
+        self._threaded = bool(prefetch)  # reading on a thread (now or from now on)
+        self._exact = self._threaded  # checkpoints take the states recorded per batch
+        self._probe: list[float] | None = [] if prefetch is None else None
+        self._taken_state: Any = self._snapshot() if prefetch != 0 else None
+        started = time.perf_counter()
         first = self._read(for_step=1)
+        if self._probe is not None:
+            self._probe.append(time.perf_counter() - started)
         if first is None:
             raise DataExhaustedError(
                 "task.data yielded no batch: the data stream is empty. Give it "
@@ -91,7 +125,7 @@ class BatchFeed:
         distributed.agree("the process-local batch size", self.spec.batch_size)
         self.sample = first
         self._size = self.spec.batch_size
-        self._ahead.append(first)
+        self._ahead.append((first, self._snapshot() if prefetch != 0 else None))
 
     @property
     def repeats(self) -> bool:
@@ -131,10 +165,12 @@ class BatchFeed:
             if many > 1 and remaining > many:
                 self._fill(many + 1, next_step)
                 if len(ahead) > many and not any(
-                    ahead[index][0][0].shape[0] != self._size for index in range(many)
+                    ahead[index][0][0][0].shape[0] != self._size for index in range(many)
                 ):
                     group = [ahead.popleft() for _ in range(many)]
-                    stacked = self._placement.shard_batch(_stack(group), stacked=True)
+                    self._taken_state = group[-1][1]
+                    batches = [batch for batch, _ in group]
+                    stacked = self._placement.shard_batch(_stack(batches), stacked=True)
                     return stacked, many, False, False
             # At the planned end nothing is read ahead: the data state saved
             # with the checkpoint is then that after its last batch.
@@ -143,7 +179,7 @@ class BatchFeed:
                 self._read_ahead(next_step + len(ahead))
         if not ahead:
             return None
-        batch = ahead.popleft()
+        batch, self._taken_state = ahead.popleft()
         last = remaining == 1 or stopping or not ahead
         return self._place(batch), 1, last, batch[0][0].shape[0] != self._size
 
@@ -152,11 +188,82 @@ class BatchFeed:
             self._read_ahead(next_step + len(self._ahead))
 
     def _read_ahead(self, for_step: int) -> None:
-        batch = self._read(for_step)
-        if batch is None:
+        if self._threaded:
+            item = self._pull(for_step)
+        elif self._probe is not None:
+            started = time.perf_counter()
+            item = self._read_recorded(for_step)
+            self._probe.append(time.perf_counter() - started)
+            if len(self._probe) >= PROBE_READS:
+                self._decide()
+        else:
+            batch = self._read(for_step)
+            item = None if batch is None else (batch, None)
+        if item is None:
             self.exhausted = True
         else:
-            self._ahead.append(batch)
+            self._ahead.append(item)
+
+    def _decide(self) -> None:
+        r"""After the first reads: a thread for a slow source, else inline
+        without recording states."""
+        assert self._probe is not None
+        slow = statistics.median(self._probe) >= PREFETCH_AFTER_SECONDS
+        self._probe = None
+        self._threaded = self._exact = slow
+
+    def _read_recorded(self, for_step: int) -> tuple[Batch, Any] | None:
+        r"""The batch for `for_step` and the data state after it (a deep copy)."""
+        batch = self._read(for_step)
+        return None if batch is None else (batch, self._snapshot())
+
+    def _pull(self, for_step: int) -> tuple[Batch, Any] | None:
+        r"""The next item of the thread (started, or started again after it
+        stopped); its exception re-raised here."""
+        prefetcher = self._prefetcher
+        if prefetcher is None or not prefetcher.has_next:
+            prefetcher = self._prefetcher = Prefetcher(self._read_recorded, for_step, self._depth)
+        item = prefetcher.get()
+        if not isinstance(item, Failed):
+            return item
+        self._prefetcher = None
+        if item.first and not isinstance(item.error, FlaxLoopError):
+            return self._read_inline_instead(item.error, for_step)
+        raise item.error
+
+    def _read_inline_instead(self, error: BaseException, for_step: int) -> Any:
+        r"""A source that failed on its first read from the thread is read
+        inline from now on, if it reads there (else the thread's error)."""
+        try:
+            item = self._read_recorded(for_step)
+        except Exception:
+            raise error from None
+        if item is None:
+            raise error
+        log(
+            f"task.data raised {type(error).__name__} when read from a background "
+            f"thread ({error}): it is read inline (pass prefetch=0 to say so)."
+        )
+        self._threaded = self._exact = False  # inline: the source's own state is exact
+        return item
+
+    def resume(self, next_step: int) -> None:
+        r"""Starts the reading thread, if the feed reads on one, so that it
+        reads while the first steps compute."""
+        prefetcher = self._prefetcher
+        if (
+            self._threaded
+            and not self.exhausted
+            and (prefetcher is None or not prefetcher.has_next)
+        ):
+            for_step = next_step + len(self._ahead)
+            self._prefetcher = Prefetcher(self._read_recorded, for_step, self._depth)
+
+    def pause(self) -> None:
+        r"""Stops the reading thread, if any, after its read in progress;
+        what it read is kept, and a later read starts it again."""
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
 
     def _read(self, for_step: int) -> Batch | None:
         r"""The batch for `for_step`, normalized and validated; `None` at the end."""
@@ -238,20 +345,27 @@ class BatchFeed:
         `None` for a one-shot iterator without `get_state`; with several
         processes, every process's state.
         """
+        # Inline, nothing is read past an interval's planned end, so the
+        # source's own state is that after the last batch trained on; with a
+        # thread reading ahead, the state recorded with that batch is.
+        state = copy.deepcopy(self._taken_state) if self._exact else self._snapshot()
+        if state is None:
+            return None
+        if self._placement.multiprocess:
+            return {PER_PROCESS: distributed.gather_objects(f"data_state/{step}", state)}
+        return state
+
+    def _snapshot(self) -> Any:
+        r"""The source's state now (a deep copy); `None` if it has none."""
         get_state = getattr(self._iterator, "get_state", None)
         if self._source is not None:
             position: dict[str, Any] = {"epoch": self._epoch, "batches": self._position}
             if callable(get_state):
                 position["state"] = get_state()
-            state: Any = {EPOCH: position}
-        elif callable(get_state):
-            state = get_state()
-        else:
-            return None
-        state = copy.deepcopy(state)
-        if self._placement.multiprocess:
-            return {PER_PROCESS: distributed.gather_objects(f"data_state/{step}", state)}
-        return state
+            return copy.deepcopy({EPOCH: position})
+        if callable(get_state):
+            return copy.deepcopy(get_state())
+        return None
 
     def restore(self, state: Any, stdout: bool) -> None:
         r"""Repositions the source at a saved state (what was read ahead is dropped).
@@ -267,11 +381,15 @@ class BatchFeed:
                 state = states[0]
             else:
                 state = None  # written by another number of processes
+        if self._prefetcher is not None:
+            self._prefetcher.stop()  # what it read ahead is dropped with the rest
+            self._prefetcher = None
         why = self._reposition(state)
         if why is None:
             self._ahead.clear()
             self._peeked = _NOTHING
             self.exhausted = False
+            self._taken_state = self._snapshot()
             return
         log(
             f"[yellow]The data stream cannot be repositioned[/yellow] ({why}): it "
