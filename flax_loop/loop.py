@@ -273,6 +273,10 @@ class TrainLoop:
                 ema_decay=ema_decay,
             )
             batch, stacked = self._feed.samples()
+            every = self._n_steps_per_checkpoint
+            first = "last" if every == 1 else "one"  # the variant needed first
+            if stacked is not None and every > steps_per_dispatch:
+                first = "many"
             self._steps = CompiledSteps(
                 update,
                 placement,
@@ -282,6 +286,7 @@ class TrainLoop:
                 self._train_key,
                 steps_per_dispatch,
                 shardings,
+                first,
             )
             self._state = self._steps.state
             self._intervals = Intervals(

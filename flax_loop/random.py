@@ -58,7 +58,7 @@ def train_key(key: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, 1)
 
 
-def eval_key(key: jax.Array, step: int, batch_index: int | jax.Array) -> jax.Array:
+def eval_key(key: jax.Array, step: int | jax.Array, batch_index: int | jax.Array) -> jax.Array:
     r"""The key of one evaluation batch of the checkpoint at `step`."""
     return jax.random.fold_in(jax.random.fold_in(key, step), batch_index)
 

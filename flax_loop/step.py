@@ -14,6 +14,7 @@ under a plain `jax.jit`, without collectives (`shard_map` costs ~11% there).
 (1, ())
 """
 
+import concurrent.futures
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -207,7 +208,26 @@ def compile_update(
     mode: str = "jit",
     shardings: TrainState | None = None,
 ) -> jax.stages.Compiled:
-    r"""Compiles the update once for the placement, donating the state.
+    r"""Compiles the update once for the placement, donating the state
+    (`lower_update`, compiled)."""
+    return lower_update(
+        update, placement, state, batch, key, n_steps, with_grads, mode, shardings
+    ).compile()
+
+
+def lower_update(
+    update: Update,
+    placement: Placement,
+    state: TrainState,
+    batch: Batch,
+    key: jax.Array,
+    n_steps: int = 1,
+    with_grads: bool = False,
+    mode: str = "jit",
+    shardings: TrainState | None = None,
+) -> jax.stages.Lowered:
+    r"""Lowers the update for the placement, donating the state: the program
+    to compile (tracing errors of the model or the loss are raised here).
 
     Args:
         update: the per-device update from `build_update`.
@@ -228,9 +248,9 @@ def compile_update(
         shardings: the state's `NamedSharding` objects (`"gspmd"`; replicated otherwise).
 
     Returns:
-        the compiled `update(state, batch, key) -> (state, loss)`, or
-        `-> (state, loss, grads)` with `with_grads`; it accepts only arrays of
-        these shapes.
+        the lowered `update(state, batch, key) -> (state, loss)`, or
+        `-> (state, loss, grads)` with `with_grads`; compiled, it accepts only
+        arrays of these shapes.
     """
     stacked = n_steps > 1
     one_step = update
@@ -271,16 +291,37 @@ def compile_update(
             in_shardings=(shardings, batch_sharding, replicated),
             out_shardings=outputs if with_grads and not stacked else outputs[:2],
         )
-    return jitted.lower(state, batch, key).compile()
+    return jitted.lower(state, batch, key)
+
+
+class _Compiling:
+    r"""A variant compiling on the background thread: called, it waits for the
+    executable, puts it in its owner's attribute (later calls go straight to
+    it) and runs it."""
+
+    def __init__(self, owner: Any, name: str, future: concurrent.futures.Future) -> None:
+        self._owner, self._name, self._future = owner, name, future
+
+    def result(self) -> Callable[..., Any]:
+        compiled = self._future.result()
+        setattr(self._owner, self._name, compiled)
+        return compiled
+
+    def __call__(self, *args: Any) -> Any:
+        return self.result()(*args)
 
 
 class CompiledSteps:
     r"""The update compiled in the variants a loop dispatches, all at set-up.
 
     A step; the last step of an interval, which also returns its gradients;
-    and, with `steps_per_dispatch > 1`, that many steps in one call. None is
-    compiled later, so a changed batch shape is an error, never a silent
-    recompilation.
+    and, with `steps_per_dispatch > 1`, that many steps in one call. Every
+    variant is traced at set-up (a model's or loss's error is raised there);
+    the one the first dispatch needs (`first`) is compiled there, the others
+    on a background thread meanwhile, so that training starts while they
+    compile (a variant called before it is ready waits for it). Nothing is
+    compiled for a later batch, so a changed batch shape is an error, never
+    a silent recompilation.
     """
 
     def __init__(
@@ -293,23 +334,26 @@ class CompiledSteps:
         key: jax.Array,
         steps_per_dispatch: int,
         shardings: TrainState | None = None,
+        first: str = "one",
     ) -> None:
+        # first: the variant the first dispatch calls, compiled before the
+        # others ("one", "last" with a checkpoint every step, or "many").
         if shardings is not None:
             mode = "gspmd"
         else:
             mode = "shard_map" if placement.n_devices > 1 else "jit"
-        compile_with = functools.partial(compile_update, update, placement, mode=mode)
+        lower_with = functools.partial(lower_update, update, placement, mode=mode)
         try:
-            self.one = compile_with(state, batch, key, shardings=shardings)
+            one = lower_with(state, batch, key, shardings=shardings)
         except NameError as error:
             # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
             # one device: bind the axis with a one-device mesh.
             if mode != "jit" or f"unbound axis name: {DATA_AXIS}" not in str(error):
                 raise
             mode = "shard_map"
-            compile_with = functools.partial(compile_update, update, placement, mode=mode)
-            self.one = compile_with(state, batch, key)
-        sums = self.one.out_info[0].metric_sums
+            lower_with = functools.partial(lower_update, update, placement, mode=mode)
+            one = lower_with(state, batch, key)
+        sums = one.out_info[0].metric_sums
         if set(sums) != set(state.metric_sums):  # the loss reports metrics: carry their sums
             zeros = {name: np.zeros((), np.float32) for name in sums}
             state = state._replace(metric_sums=placement.replicate(zeros))
@@ -317,26 +361,44 @@ class CompiledSteps:
                 shardings = shardings._replace(
                     metric_sums={name: placement.replicated for name in sums}
                 )
-            self.one = compile_with(state, batch, key, shardings=shardings)
+            one = lower_with(state, batch, key, shardings=shardings)
         self.state = state
         r"""the state to start from (with the metric sums the loss needs)."""
-        self.last = compile_with(state, batch, key, with_grads=True, shardings=shardings)
-        self._compile = functools.partial(
-            compile_with, key=key, with_grads=True, shardings=shardings
-        )
+        self._lower = functools.partial(lower_with, key=key, with_grads=True, shardings=shardings)
         self._shorter: dict[Any, Callable[..., Any]] = {}
-        self.many: Callable[..., Any] | None = None
-        if stacked is not None:
-            self.many = compile_with(
-                state, stacked, key, n_steps=steps_per_dispatch, shardings=shardings
-            )
         replicated = placement.replicated
         state_sharding = replicated if shardings is None else shardings
-        self._close_interval = (
-            jax.jit(close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated))
-            .lower(state, state.model_params)
-            .compile()
+        lowered = {
+            "one": one,
+            "last": self._lower(state, batch),
+            "_close_interval": jax.jit(
+                close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated)
+            ).lower(state, state.model_params),
+        }
+        if stacked is not None:
+            lowered["many"] = lower_with(
+                state, stacked, key, n_steps=steps_per_dispatch, shardings=shardings
+            )
+        self.one: Callable[..., Any]
+        self.last: Callable[..., Any]
+        self.many: Callable[..., Any] | None = None
+        self._close_interval: Callable[..., Any]
+        setattr(self, first, lowered.pop(first).compile())
+        self._background = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="flax_loop-compile"
         )
+        for name in ("_close_interval", "last", "one", "many"):  # in the order needed
+            if name in lowered:
+                future = self._background.submit(lowered[name].compile)
+                setattr(self, name, _Compiling(self, name, future))
+        self._background.shutdown(wait=False)  # the thread ends after the last one
+
+    def wait(self) -> None:
+        r"""Waits until every variant is compiled (raising a compilation's error)."""
+        for name in ("one", "last", "many", "_close_interval"):
+            variant = getattr(self, name)
+            if isinstance(variant, _Compiling):
+                variant.result()
 
     def shorter(self, state: TrainState, batch: Batch, key: jax.Array) -> Any:
         r"""One step on a stream's shorter last batch, `-> (state, loss, grads)`,
@@ -344,7 +406,7 @@ class CompiledSteps:
         shapes = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
         compiled = self._shorter.get(shapes)
         if compiled is None:
-            compiled = self._shorter[shapes] = self._compile(state, batch)
+            compiled = self._shorter[shapes] = self._lower(state, batch).compile()
         return compiled(state, batch, key)
 
     def finish_interval(
