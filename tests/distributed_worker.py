@@ -9,8 +9,10 @@ parameters (and, with --eval, the test accuracy across processes).
 """
 
 import argparse
+import functools
 import os
 import sys
+from typing import Any
 
 
 def main() -> None:
@@ -29,6 +31,10 @@ def main() -> None:
     parser.add_argument("--batch-delay", type=float, default=0.0)
     parser.add_argument("--sharding", default="replicated")
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints in --dir")
+    parser.add_argument("--keep", type=int, default=1)
+    parser.add_argument(
+        "--grain", action="store_true", help="a grain pipeline, every process its own examples"
+    )
     args = parser.parse_args()
     if args.dir:
         args.dir = args.dir.replace("{process}", str(args.process_id))
@@ -96,7 +102,14 @@ def main() -> None:
         def set_state(self, state):
             self.step = state["step"]
 
-    local_batches = LocalBatches
+    local_batches: Any = LocalBatches
+    if args.grain:
+        from tests.grain_pipeline import pipeline
+
+        # Process p of n reads examples p, p + n, ... of the shuffled digits,
+        # 32 / n a step: grain's own sharding by process.
+        shard = (jax.process_index(), jax.process_count())
+        local_batches = functools.partial(pipeline, x, y, 32 // args.num_processes, 5, shard)
 
     model = MLP()
     reader, writer_type = (
@@ -114,7 +127,7 @@ def main() -> None:
         n_steps=args.n_steps,
         n_steps_per_checkpoint=args.every,
     )
-    writer = writer_type(output_dir=args.dir) if args.dir else None
+    writer = writer_type(output_dir=args.dir, keep=args.keep) if args.dir else None
     print(f"START {loop.step}", flush=True)
     checkpoint = None
     for checkpoint in loop:

@@ -25,6 +25,9 @@ def main() -> None:
     parser.add_argument("--nnx", action="store_true", help="the NNX CNN instead of linen")
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints, not files")
     parser.add_argument("--sharding", default="replicated")
+    parser.add_argument(
+        "--grain-workers", type=int, default=-1, help="a grain pipeline with N mp_prefetch workers"
+    )
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.flags import xla_flags
@@ -59,6 +62,15 @@ def main() -> None:
 
     x, y, _, _ = digits_split()
     data = batches(x, y, 32) if args.plain_stream else ResumableBatches(x, y, 32, seed=3)
+    if args.grain_workers >= 0:
+        from absl import flags
+
+        from tests.grain_pipeline import pipeline
+
+        # grain 0.2.18's mp_prefetch reads an absl flag, which a program not
+        # started by absl.app must mark parsed first.
+        flags.FLAGS.mark_as_parsed()
+        data = pipeline(x, y, seed=3, workers=args.grain_workers)
     if args.batch_delay:
         data = SlowBatches(data, args.batch_delay)
     if args.nnx:

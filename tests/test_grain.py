@@ -6,7 +6,16 @@ import optax
 import pytest
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter, EvalLoop, EvalTask
-from tests.helpers import MLP, accuracy, digits_loop, digits_split
+from tests.helpers import (
+    MLP,
+    accuracy,
+    assert_same_arrays,
+    digits_loop,
+    digits_split,
+    file_names,
+    resume_worker,
+    run,
+)
 
 grain = pytest.importorskip("grain")
 
@@ -64,3 +73,20 @@ def test_a_grain_dataset_is_eval_data_read_whole_each_time():
     expected = float(np.mean(np.argmax(np.asarray(logits), -1) == Y_TEST))
     assert first.metrics["eval"]["accuracy"] == pytest.approx(expected, abs=1e-6)
     assert second.metrics == first.metrics
+
+
+def test_a_pipeline_with_mp_prefetch_workers_resumes_bitwise(tmp_path):
+    # Two grain worker processes prefetch the batches; the run is stopped at
+    # step 30 (its newest file removed) and resumed into the second epoch.
+    directory, straight, resumed = tmp_path / "ckpts", tmp_path / "a.npz", tmp_path / "b.npz"
+    options = ["--every", 30, "--keep", 2, "--devices", 1, "--grain-workers", 2]
+    run(resume_worker(directory, 60, *options, "--out", straight))
+    assert file_names(directory) == ["regular.30.ckpt", "regular.60.ckpt"]
+    newest = CheckpointFileReader(dir=str(directory), target=None).read_newest()
+    saved = newest.data_state["flax_loop/epoch"]
+    assert (saved["epoch"], saved["batches"]) == (1, 14)  # 46 batches an epoch
+    assert "iterators_in_use_states" in saved["state"]  # mp_prefetch's own state
+    (directory / "regular.60.ckpt").unlink()
+    output = run(resume_worker(directory, 60, *options, "--out", resumed))
+    assert "START 30" in output
+    assert_same_arrays(straight, resumed)
