@@ -294,6 +294,10 @@ def lower_update(
     return jitted.lower(state, batch, key)
 
 
+def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
+    return lowering().compile()
+
+
 class _Compiling:
     r"""A variant compiling on the background thread: called, it waits for the
     executable, puts it in its owner's attribute (later calls go straight to
@@ -315,13 +319,13 @@ class CompiledSteps:
     r"""The update compiled in the variants a loop dispatches, all at set-up.
 
     A step; the last step of an interval, which also returns its gradients;
-    and, with `steps_per_dispatch > 1`, that many steps in one call. Every
-    variant is traced at set-up (a model's or loss's error is raised there);
-    the one the first dispatch needs (`first`) is compiled there, the others
-    on a background thread meanwhile, so that training starts while they
-    compile (a variant called before it is ready waits for it). Nothing is
-    compiled for a later batch, so a changed batch shape is an error, never
-    a silent recompilation.
+    and, with `steps_per_dispatch > 1`, that many steps in one call. The one
+    the first dispatch needs (`first`) is traced and compiled at set-up (a
+    model's or loss's error is raised there); the others are traced and
+    compiled on a background thread, so that training starts meanwhile (a
+    variant called before it is ready waits for it, and raises its error).
+    Nothing is compiled for a later batch, so a changed batch shape is an
+    error, never a silent recompilation.
     """
 
     def __init__(
@@ -343,8 +347,15 @@ class CompiledSteps:
         else:
             mode = "shard_map" if placement.n_devices > 1 else "jit"
         lower_with = functools.partial(lower_update, update, placement, mode=mode)
+        many = functools.partial(lower_with, n_steps=steps_per_dispatch)
+
+        def lower(name: str, state: TrainState, shardings: TrainState | None) -> Any:
+            if name == "many":
+                return many(state, stacked, key, shardings=shardings)
+            return lower_with(state, batch, key, with_grads=name == "last", shardings=shardings)
+
         try:
-            one = lower_with(state, batch, key, shardings=shardings)
+            program = lower(first, state, shardings)
         except NameError as error:
             # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
             # one device: bind the axis with a one-device mesh.
@@ -352,8 +363,9 @@ class CompiledSteps:
                 raise
             mode = "shard_map"
             lower_with = functools.partial(lower_update, update, placement, mode=mode)
-            one = lower_with(state, batch, key)
-        sums = one.out_info[0].metric_sums
+            many = functools.partial(lower_with, n_steps=steps_per_dispatch)
+            program = lower(first, state, shardings)
+        sums = program.out_info[0].metric_sums
         if set(sums) != set(state.metric_sums):  # the loss reports metrics: carry their sums
             zeros = {name: np.zeros((), np.float32) for name in sums}
             state = state._replace(metric_sums=placement.replicate(zeros))
@@ -361,37 +373,49 @@ class CompiledSteps:
                 shardings = shardings._replace(
                     metric_sums={name: placement.replicated for name in sums}
                 )
-            one = lower_with(state, batch, key, shardings=shardings)
+            program = lower(first, state, shardings)
         self.state = state
         r"""the state to start from (with the metric sums the loss needs)."""
         self._lower = functools.partial(lower_with, key=key, with_grads=True, shardings=shardings)
         self._shorter: dict[Any, Callable[..., Any]] = {}
         replicated = placement.replicated
         state_sharding = replicated if shardings is None else shardings
-        lowered = {
-            "one": one,
-            "last": self._lower(state, batch),
-            "_close_interval": jax.jit(
-                close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated)
-            ).lower(state, state.model_params),
+        close = jax.jit(
+            close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated)
+        ).lower(state, state.model_params)
+        # The other variants are traced on the background thread, from the
+        # state's shapes and layout (the state itself is donated meanwhile).
+        abstract = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding),
+            state,
+        )
+        names = ["last", "one"] + (["many"] if stacked is not None else [])
+        later = {
+            name: functools.partial(lower, name, abstract, shardings)
+            for name in names
+            if name != first
         }
-        if stacked is not None:
-            lowered["many"] = lower_with(
-                state, stacked, key, n_steps=steps_per_dispatch, shardings=shardings
-            )
         self.one: Callable[..., Any]
         self.last: Callable[..., Any]
         self.many: Callable[..., Any] | None = None
         self._close_interval: Callable[..., Any]
-        setattr(self, first, lowered.pop(first).compile())
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="flax_loop-compile"
         )
-        for name in ("_close_interval", "last", "one", "many"):  # in the order needed
-            if name in lowered:
-                future = self._background.submit(lowered[name].compile)
-                setattr(self, name, _Compiling(self, name, future))
-        self._background.shutdown(wait=False)  # the thread ends after the last one
+        # The interval's statistics compile beside the first variant; the
+        # others once it is compiled, while the first steps run (compiling
+        # them beside it would only share the cores with it).
+        try:
+            self._compile_later("_close_interval", close.compile)
+            setattr(self, first, program.compile())
+            for name, lowering in later.items():
+                self._compile_later(name, functools.partial(_compile, lowering))
+        finally:
+            self._background.shutdown(wait=False)  # the thread ends after the last one
+
+    def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
+        future = self._background.submit(compile)
+        setattr(self, name, _Compiling(self, name, future))
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""
