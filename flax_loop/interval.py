@@ -66,7 +66,9 @@ class Intervals:
             (state.model_params, state.model_state, state.optimizer_state, state.ema_params)
         )
         losses, self.losses = self.losses, []
-        parts = [np.reshape(x, -1) for x in jax.device_get(losses)]
+        # np.asarray per loss: jax.device_get of the list costs 4x as much per
+        # array (an asynchronous copy started for each first), ~30 us a step.
+        parts = [np.reshape(np.asarray(x), -1) for x in losses]
         history = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if n_completed:
             state, result = self._steps.finish_interval(state, self.grads, loss, n_completed)
