@@ -17,7 +17,7 @@ from flax_loop.checkpoint import Checkpoint
 from flax_loop.errors import NonFiniteError
 from flax_loop.feed import BatchFeed
 from flax_loop.parallel import Placement, to_host
-from flax_loop.state import TrainState
+from flax_loop.state import IntervalStatistics, TrainState
 from flax_loop.step import CompiledSteps
 
 
@@ -48,6 +48,9 @@ class Intervals:
         r"""the step the current interval started after."""
         self.grads: Any = None
         r"""the gradients of the interval's last step (the loop sets them)."""
+        self.statistics: IntervalStatistics | None = None
+        r"""the statistics the interval's last step returned, if it closed the
+        interval (the loop sets them)."""
         self.losses: list[jax.Array] = []
         r"""the interval's losses as the steps returned them (the loop appends)."""
         self._last: Checkpoint | None = None
@@ -71,7 +74,10 @@ class Intervals:
         parts = [np.reshape(np.asarray(x), -1) for x in losses]
         history = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if n_completed:
-            state, result = self._steps.finish_interval(state, self.grads, loss, n_completed)
+            statistics, self.statistics = self.statistics, None
+            state, result = self._steps.finish_interval(
+                state, self.grads, loss, n_completed, statistics
+            )
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
                 where = (
                     f"at step {result.first_nonfinite}"

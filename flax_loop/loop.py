@@ -434,6 +434,7 @@ class TrainLoop:
         steps, take, key, guard = self._steps, self._feed.take, self._train_key, self._guard
         intervals, profile = self._intervals, self.profile
         losses = intervals.losses  # every dispatch's loss(es), read once at the checkpoint
+        intervals.statistics = None  # until the interval's `last` step returns them
         queue = InFlight(self._placement.dispatch_depth)
         # Several processes must stop at the same step: they agree on it at
         # the checkpoint, never between steps.
@@ -456,8 +457,10 @@ class TrainLoop:
                     intervals.grads = grads
             elif n_steps > 1:
                 self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
-            elif last:
-                self._state, loss, intervals.grads = steps.last(self._state, batch, key)
+            elif last:  # it closes the interval too: its statistics come back
+                self._state, loss, intervals.grads, intervals.statistics = steps.last(
+                    self._state, batch, key
+                )
             else:
                 self._state, loss = steps.one(self._state, batch, key)
             if traced:

@@ -30,7 +30,13 @@ from flax_loop.batch import Batch
 from flax_loop.model import call_apply, split_loss
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.random import step_keys
-from flax_loop.state import IntervalResult, TrainState, all_finite, close_interval
+from flax_loop.state import (
+    IntervalResult,
+    IntervalStatistics,
+    TrainState,
+    all_finite,
+    close_interval,
+)
 
 NONFINITE_MODES = ("raise", "skip")
 
@@ -207,11 +213,12 @@ def compile_update(
     with_grads: bool = False,
     mode: str = "jit",
     shardings: TrainState | None = None,
+    closing: bool = False,
 ) -> jax.stages.Compiled:
     r"""Compiles the update once for the placement, donating the state
     (`lower_update`, compiled)."""
     return lower_update(
-        update, placement, state, batch, key, n_steps, with_grads, mode, shardings
+        update, placement, state, batch, key, n_steps, with_grads, mode, shardings, closing
     ).compile()
 
 
@@ -225,6 +232,7 @@ def lower_update(
     with_grads: bool = False,
     mode: str = "jit",
     shardings: TrainState | None = None,
+    closing: bool = False,
 ) -> jax.stages.Lowered:
     r"""Lowers the update for the placement, donating the state: the program
     to compile (tracing errors of the model or the loss are raised here).
@@ -246,11 +254,15 @@ def lower_update(
             built with `shards` runs as one program over the whole batch,
             XLA placing the collectives the state's shardings need).
         shardings: the state's `NamedSharding` objects (`"gspmd"`; replicated otherwise).
+        closing: (with `with_grads`) the interval's last step: it also closes
+            the interval (`close_interval`: its statistics, its sums reset),
+            in the same program, so a checkpoint costs no further dispatch.
 
     Returns:
         the lowered `update(state, batch, key) -> (state, loss)`, or
-        `-> (state, loss, grads)` with `with_grads`; compiled, it accepts only
-        arrays of these shapes.
+        `-> (state, loss, grads)` with `with_grads`, `-> (state, loss, grads,
+        statistics)` with `closing` too; compiled, it accepts only arrays of
+        these shapes.
     """
     stacked = n_steps > 1
     one_step = update
@@ -264,6 +276,9 @@ def lower_update(
 
             return jax.lax.scan(body, state, batches)  # every step's loss
         state, (loss, grads) = one_step(state, batches, key)
+        if closing:
+            state, statistics = close_interval(state, grads)
+            return state, loss, grads, statistics
         return (state, loss, grads) if with_grads else (state, loss)
 
     replicated = placement.replicated
@@ -284,12 +299,13 @@ def lower_update(
         jitted = jax.jit(steps, donate_argnums=0, out_shardings=replicated)
     else:
         batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
-        outputs = (shardings, replicated, shardings.model_params)
+        outputs = (shardings, replicated, shardings.model_params, replicated)
+        n_outputs = 2 if stacked or not with_grads else 4 if closing else 3
         jitted = jax.jit(
             steps,
             donate_argnums=0,
             in_shardings=(shardings, batch_sharding, replicated),
-            out_shardings=outputs if with_grads and not stacked else outputs[:2],
+            out_shardings=outputs[:n_outputs],
         )
     return jitted.lower(state, batch, key)
 
@@ -352,7 +368,8 @@ class CompiledSteps:
         def lower(name: str, state: TrainState, shardings: TrainState | None) -> Any:
             if name == "many":
                 return many(state, stacked, key, shardings=shardings)
-            return lower_with(state, batch, key, with_grads=name == "last", shardings=shardings)
+            last = name == "last"  # it closes the interval too
+            return lower_with(state, batch, key, with_grads=last, closing=last, shardings=shardings)
 
         try:
             program = lower(first, state, shardings)
@@ -402,14 +419,15 @@ class CompiledSteps:
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="flax_loop-compile"
         )
-        # The interval's statistics compile beside the first variant; the
-        # others once it is compiled, while the first steps run (compiling
-        # them beside it would only share the cores with it).
+        # The other variants are traced and compiled once the first is, while
+        # the first steps run (compiled beside it, they would only share the
+        # cores with it); last the interval's separate close, needed only
+        # when an interval ends without its `last` step (a stop, the stream's end).
         try:
-            self._compile_later("_close_interval", close.compile)
             setattr(self, first, program.compile())
             for name, lowering in later.items():
                 self._compile_later(name, functools.partial(_compile, lowering))
+            self._compile_later("_close_interval", close.compile)
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
 
@@ -434,11 +452,21 @@ class CompiledSteps:
         return compiled(state, batch, key)
 
     def finish_interval(
-        self, state: TrainState, grads: Any, loss: jax.Array, n_steps: int
+        self,
+        state: TrainState,
+        grads: Any,
+        loss: jax.Array,
+        n_steps: int,
+        statistics: IntervalStatistics | None = None,
     ) -> tuple[TrainState, IntervalResult]:
-        r"""The interval's statistics (the host's one wait for the devices in an
-        interval), and the state with its interval sums reset."""
-        state, statistics = self._close_interval(state, grads)
+        r"""The interval's statistics on the host (the host's one wait for the
+        devices in an interval), and the state with its interval sums reset.
+
+        `statistics` are those the `last` step returned (it closed the
+        interval); without them (an interval ended by a stop request or the
+        stream's end) the interval is closed here."""
+        if statistics is None:
+            state, statistics = self._close_interval(state, grads)
         loss, (counters, loss_sum, metric_sums, finite) = to_host((loss, statistics))
         _, n_nonfinite, first_nonfinite = (int(count) for count in counters)
         n_finite = n_steps - n_nonfinite
