@@ -128,6 +128,10 @@ def test_a_background_write_that_fails_at_exit_exits_non_zero(tmp_path):
             raise OSError(errno.ENOSPC, "No space left on device")
         _file.save = full_disk
         CheckpointFileWriter(output_dir={str(tmp_path)!r}, background=True)(checkpoint)
+        # The writer is gone (made for one call) once its write has failed.
+        import gc, time
+        time.sleep(0.5)
+        gc.collect()
         print("BODY DONE")
         """
     )

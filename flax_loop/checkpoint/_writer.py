@@ -120,6 +120,7 @@ class CheckpointFileWriter:
             _open_writers.add(self)
         with self._mutex:
             self._pending = self._executor.submit(self._save, prefix, host)
+            self._pending.add_done_callback(_note_failure)
         return checkpoint
 
     def _lock(self, prefix: str) -> None:
@@ -149,6 +150,7 @@ class CheckpointFileWriter:
         with self._mutex:
             pending, self._pending = self._pending, None
         if pending is not None:
+            _seen(pending)
             pending.result()
 
     def close(self) -> None:
@@ -240,6 +242,26 @@ def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
 
 _open_writers: "weakref.WeakSet[CheckpointFileWriter]" = weakref.WeakSet()
 
+# Background writes that failed where no caller has seen the error yet (its
+# writer may be gone: a writer made for one call and dropped); reported at exit.
+_unseen_failures: dict[Future, BaseException] = {}
+_seen_writes: "weakref.WeakSet[Future]" = weakref.WeakSet()
+_failures_lock = threading.Lock()
+
+
+def _note_failure(future: Future) -> None:
+    error = future.exception()
+    with _failures_lock:
+        if error is not None and future not in _seen_writes:
+            _unseen_failures[future] = error
+
+
+def _seen(future: Future) -> None:
+    r"""A caller takes the write's result (and its error) now."""
+    with _failures_lock:
+        _seen_writes.add(future)
+        _unseen_failures.pop(future, None)
+
 
 @atexit.register
 def _finish_pending_writes() -> None:
@@ -250,6 +272,12 @@ def _finish_pending_writes() -> None:
         except Exception as error:  # at exit, report rather than lose it
             failed = True
             log(f"[red]A background checkpoint write failed at exit:[/red] {error}")
+    with _failures_lock:
+        unseen = list(_unseen_failures.values())
+        _unseen_failures.clear()
+    for lost in unseen:  # of writers no longer there to close
+        failed = True
+        log(f"[red]A background checkpoint write failed:[/red] {lost}")
     if failed:
         # A scheduler must not record success when the last file is missing.
         sys.stdout.flush()
