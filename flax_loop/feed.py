@@ -169,8 +169,9 @@ class BatchFeed:
                 ):
                     group = [ahead.popleft() for _ in range(many)]
                     self._taken_state = group[-1][1]
-                    batches = [batch for batch, _ in group]
-                    stacked = self._placement.shard_batch(_stack(batches), stacked=True)
+                    stacked = _stack([batch for batch, _ in group])
+                    if self._placement.multiprocess:  # else numpy, as the step was compiled
+                        stacked = self._placement.shard_batch(stacked, stacked=True)
                     return stacked, many, False, False
             # At the planned end nothing is read ahead: the data state saved
             # with the checkpoint is then that after its last batch.
