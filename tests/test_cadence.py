@@ -48,13 +48,13 @@ PROGRAM = textwrap.dedent(
     for n_devices, sharding in ((1, "replicated"), (4, "replicated"), (4, "fsdp")):
         reference = final(n_devices, sharding, 24, 1)
         n_leaves[f"{n_devices} {sharding}"] = len(reference)
-        cadences = (1, 2, 3, 24) if n_devices == 1 or every_run else (1, 3, 24)
+        cadences = (1, 2, 3, 24) if n_devices == 1 or every_run else (1, 24)
         for every in cadences:
             for steps_per_dispatch in (1, 4):
                 if (every, steps_per_dispatch) == (24, 1) or (
-                    (every, steps_per_dispatch) == (3, 4) and cadences == (1, 3, 24)
+                    (every, steps_per_dispatch) == (1, 4) and cadences == (1, 24)
                 ):
-                    continue  # the reference itself; (3, 4) runs on 1 device
+                    continue  # the reference itself; (1, 4) runs on 1 device
                 leaves = final(n_devices, sharding, every, steps_per_dispatch)
                 differences[f"{n_devices} {sharding}, cadence/dispatch {every}/{steps_per_dispatch}"] = [
                     int(np.sum(a != b)) for a, b in zip(reference, leaves)
@@ -80,7 +80,7 @@ def test_params_are_bitwise_the_same_for_any_cadence_and_dispatch():
     # params, batch statistics, Adam's moments, on 1 and 4 devices, replicated and fsdp
     assert min(found["n_leaves"].values()) >= 8 and len(found["n_leaves"]) == 3
     # cadences 1, 2, 3, 24 x dispatch 1, 4 against (24, 1) on 1 device, and
-    # on 4 devices (1, 1), (1, 4), (3, 1), (24, 4) (all with FLAX_LOOP_SLOW=1)
-    assert len(found["differences"]) == (3 * 7 if os.environ.get("FLAX_LOOP_SLOW") else 7 + 2 * 4)
+    # on 4 devices (1, 1) and (24, 4): every variant (all with FLAX_LOOP_SLOW=1)
+    assert len(found["differences"]) == (3 * 7 if os.environ.get("FLAX_LOOP_SLOW") else 7 + 2 * 2)
     for run, counts in found["differences"].items():
         assert sum(counts) == 0, f"{run}: {counts} values differ"
