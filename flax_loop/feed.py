@@ -99,7 +99,7 @@ class BatchFeed:
         self._place = placement.shard_batch if placement.multiprocess else _as_is
         self._many = steps_per_dispatch
         # (batch, the data state after it): the state only while states are
-        # recorded per batch (`_exact`, or deciding whether to prefetch).
+        # recorded per batch (`_threaded`, or deciding whether to prefetch).
         self._ahead: deque[tuple[Batch, Any]] = deque()
         self._peeked: Any = _NOTHING  # a raw batch read to see if the stream ends
         self._noted_drop = False
@@ -107,8 +107,9 @@ class BatchFeed:
         self.exhausted = False
         self._depth = prefetch if prefetch else steps_per_dispatch + 2
         self._prefetcher: Prefetcher | None = None
-        self._threaded = bool(prefetch)  # reading on a thread (now or from now on)
-        self._exact = self._threaded  # checkpoints take the states recorded per batch
+        # Reading on a thread (now or from now on): checkpoints then take the
+        # data states recorded per batch.
+        self._threaded = bool(prefetch)
         self._probe: list[float] | None = [] if prefetch is None else None
         self._taken_state: Any = self._snapshot() if prefetch != 0 else None
         started = time.perf_counter()
@@ -211,7 +212,7 @@ class BatchFeed:
         assert self._probe is not None
         slow = statistics.median(self._probe) >= PREFETCH_AFTER_SECONDS
         self._probe = None
-        self._threaded = self._exact = slow
+        self._threaded = slow
 
     def _read_recorded(self, for_step: int) -> tuple[Batch, Any] | None:
         r"""The batch for `for_step` and the data state after it (a deep copy)."""
@@ -221,10 +222,7 @@ class BatchFeed:
     def _pull(self, for_step: int) -> tuple[Batch, Any] | None:
         r"""The next item of the thread (started, or started again after it
         stopped); its exception re-raised here."""
-        prefetcher = self._prefetcher
-        if prefetcher is None or not prefetcher.has_next:
-            prefetcher = self._prefetcher = Prefetcher(self._read_recorded, for_step, self._depth)
-        item = prefetcher.get()
+        item = self._reader(for_step).get()
         if not isinstance(item, Failed):
             return item
         self._prefetcher = None
@@ -245,20 +243,22 @@ class BatchFeed:
             f"task.data raised {type(error).__name__} when read from a background "
             f"thread ({error}): it is read inline (pass prefetch=0 to say so)."
         )
-        self._threaded = self._exact = False  # inline: the source's own state is exact
+        self._threaded = False  # inline: the source's own state is exact
         return item
 
     def resume(self, next_step: int) -> None:
         r"""Starts the reading thread, if the feed reads on one, so that it
         reads while the first steps compute."""
+        if self._threaded and not self.exhausted:
+            self._reader(next_step + len(self._ahead))
+
+    def _reader(self, for_step: int) -> Prefetcher:
+        r"""The reading thread: the running one (or the stopped one while it
+        holds results), else one started at `for_step`."""
         prefetcher = self._prefetcher
-        if (
-            self._threaded
-            and not self.exhausted
-            and (prefetcher is None or not prefetcher.has_next)
-        ):
-            for_step = next_step + len(self._ahead)
-            self._prefetcher = Prefetcher(self._read_recorded, for_step, self._depth)
+        if prefetcher is None or not prefetcher.has_next:
+            prefetcher = self._prefetcher = Prefetcher(self._read_recorded, for_step, self._depth)
+        return prefetcher
 
     def pause(self) -> None:
         r"""Stops the reading thread, if any, after its read in progress;
@@ -349,7 +349,7 @@ class BatchFeed:
         # Inline, nothing is read past an interval's planned end, so the
         # source's own state is that after the last batch trained on; with a
         # thread reading ahead, the state recorded with that batch is.
-        state = copy.deepcopy(self._taken_state) if self._exact else self._snapshot()
+        state = copy.deepcopy(self._taken_state) if self._threaded else self._snapshot()
         if state is None:
             return None
         if self._placement.multiprocess:

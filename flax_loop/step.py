@@ -203,25 +203,6 @@ def build_update(
 UPDATE_MODES = ("jit", "shard_map", "gspmd")
 
 
-def compile_update(
-    update: Update,
-    placement: Placement,
-    state: TrainState,
-    batch: Batch,
-    key: jax.Array,
-    n_steps: int = 1,
-    with_grads: bool = False,
-    mode: str = "jit",
-    shardings: TrainState | None = None,
-    closing: bool = False,
-) -> jax.stages.Compiled:
-    r"""Compiles the update once for the placement, donating the state
-    (`lower_update`, compiled)."""
-    return lower_update(
-        update, placement, state, batch, key, n_steps, with_grads, mode, shardings, closing
-    ).compile()
-
-
 def lower_update(
     update: Update,
     placement: Placement,

@@ -103,6 +103,24 @@ class ResumableBatches:
         self.position = int(state["position"])
 
 
+class FlakyBatches(ResumableBatches):
+    """Raises once, at a chosen batch, then goes on; records the thread of each read."""
+
+    def __init__(self, *args: Any, fail_at: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fail_at, self.failed = fail_at, False
+        self.threads: list[str] = []
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        if self.position == self.fail_at and not self.failed:
+            self.failed = True
+            raise OSError("the disk holding the data went away")
+        return super().__next__()
+
+
 def relative_difference(a: Any, b: Any) -> float:
     """The largest relative difference between two pytrees of arrays of one structure."""
     import jax

@@ -11,7 +11,14 @@ import pytest
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.errors import ConfigError
 from flax_loop.feed import PROBE_READS
-from tests.helpers import MLP, ResumableBatches, digits_loop, digits_split, relative_difference
+from tests.helpers import (
+    MLP,
+    FlakyBatches,
+    ResumableBatches,
+    digits_loop,
+    digits_split,
+    relative_difference,
+)
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
 
@@ -109,18 +116,6 @@ def test_a_prefetched_list_resumes_exactly_across_epochs(tmp_path):
     assert relative_difference(last.model_params, straight[-1].model_params) == 0.0
 
 
-class Flaky(Recorded):
-    def __init__(self, *args, fail_at, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fail_at, self.failed = fail_at, False
-
-    def __next__(self):
-        if self.position == self.fail_at and not self.failed:
-            self.failed = True
-            raise OSError("the disk holding the data went away")
-        return super().__next__()
-
-
 def test_an_error_on_the_thread_is_raised_in_the_caller_with_its_step():
     def run(data):
         return digits_loop(
@@ -128,7 +123,7 @@ def test_an_error_on_the_thread_is_raised_in_the_caller_with_its_step():
         )
 
     straight = list(run(ResumableBatches(X_TRAIN, Y_TRAIN, 32)))
-    source = Flaky(X_TRAIN, Y_TRAIN, 32, fail_at=16)
+    source = FlakyBatches(X_TRAIN, Y_TRAIN, 32, fail_at=16)
     loop = run(source)
     first = loop.next_checkpoint()
     with pytest.raises(OSError, match="went away") as error:

@@ -19,6 +19,7 @@ from flax_loop.errors import CheckpointError
 from tests.helpers import (
     MLP,
     ROOT,
+    FlakyBatches,
     ResumableBatches,
     batches,
     digits_loop,
@@ -141,20 +142,6 @@ def test_a_background_write_that_fails_at_exit_exits_non_zero(tmp_path):
     assert "BODY DONE" in result.stdout
     assert result.returncode == 75, result.stdout + result.stderr
     assert "No space left on device" in result.stdout + result.stderr
-
-
-class FlakyBatches(ResumableBatches):
-    """Raises once, at a chosen batch, then goes on."""
-
-    def __init__(self, *args, fail_at, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fail_at, self.failed = fail_at, False
-
-    def __next__(self):
-        if self.position == self.fail_at and not self.failed:
-            self.failed = True
-            raise OSError("the disk holding the data went away")
-        return super().__next__()
 
 
 def test_the_data_stream_raising_mid_interval_keeps_batches_and_statistics():
