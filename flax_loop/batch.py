@@ -13,6 +13,7 @@ become numpy arrays (JAX arrays are kept as they are), with 64-bit types
 narrowed as JAX narrows them unless `jax_enable_x64` is set.
 """
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,23 +176,27 @@ class BatchSpec:
 
         The common case costs a few attribute reads per step this way.
         """
-        if (
-            type(raw) in (tuple, list)
-            and len(raw) == 2
-            and len(self.inputs) == 1
-            and len(self.targets) == 1
-        ):
+        plain = self._plain
+        if plain is not None and type(raw) in (tuple, list) and len(raw) == 2:
             x, y = raw
+            x_shape, x_dtype, y_shape, y_dtype = plain
             if (
                 type(x) is np.ndarray
                 and type(y) is np.ndarray
-                and x.shape == self.inputs[0][0]
-                and y.shape == self.targets[0][0]
-                and x.dtype == self.inputs[0][1]
-                and y.dtype == self.targets[0][1]
+                and x.shape == x_shape
+                and y.shape == y_shape
+                and x.dtype == x_dtype
+                and y.dtype == y_dtype
             ):
                 return (x,), (y,)
         return None
+
+    @functools.cached_property
+    def _plain(self) -> tuple[Any, ...] | None:
+        r"""`(x shape, x dtype, y shape, y dtype)` for one input and one target."""
+        if len(self.inputs) != 1 or len(self.targets) != 1:
+            return None
+        return (*self.inputs[0], *self.targets[0])
 
     def shorter(self, batch: Batch) -> bool:
         r"""Whether `batch` is this spec but for a smaller batch size."""

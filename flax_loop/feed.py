@@ -435,4 +435,18 @@ def _as_is(batch: Batch) -> Batch:
 
 def _stack(batches: list[Batch]) -> Batch:
     r"""Stacks batches along a new leading axis, for several steps per dispatch."""
-    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
+    first = batches[0]
+    return tuple(  # type: ignore[return-value]
+        tuple(
+            _stack_leaves([batch[group][index] for batch in batches])
+            for index in range(len(first[group]))
+        )
+        for group in range(len(first))
+    )
+
+
+def _stack_leaves(leaves: list[Any]) -> np.ndarray:
+    first = leaves[0]
+    if type(first) is np.ndarray:  # one copy, without np.stack's view per leaf
+        return np.concatenate(leaves).reshape(len(leaves), *first.shape)
+    return np.stack(leaves)

@@ -273,10 +273,12 @@ class TrainLoop:
                 ema_decay=ema_decay,
             )
             batch, stacked = self._feed.samples()
+            # The variants the cadence calls, the first dispatch's first: a
+            # checkpoint every step calls only the interval's last step.
             every = self._n_steps_per_checkpoint
-            first = "last" if every == 1 else "one"  # the variant needed first
+            needed = ["last"] if every == 1 else ["one", "last"]
             if stacked is not None and every > steps_per_dispatch:
-                first = "many"
+                needed.insert(0, "many")
             self._steps = CompiledSteps(
                 update,
                 placement,
@@ -286,7 +288,7 @@ class TrainLoop:
                 self._train_key,
                 steps_per_dispatch,
                 shardings,
-                first,
+                needed,
             )
             self._state = self._steps.state
             self._intervals = Intervals(
@@ -433,7 +435,8 @@ class TrainLoop:
         # this CPU), each attribute lookup or call here is measurable.
         steps, take, key, guard = self._steps, self._feed.take, self._train_key, self._guard
         intervals, profile = self._intervals, self.profile
-        losses = intervals.losses  # every dispatch's loss(es), read once at the checkpoint
+        # every step's loss, read at the checkpoint
+        note_loss, note_losses = intervals.losses.append, intervals.losses.extend
         intervals.statistics = None  # until the interval's `last` step returns them
         queue = InFlight(self._placement.dispatch_depth)
         # Several processes must stop at the same step: they agree on it at
@@ -455,19 +458,22 @@ class TrainLoop:
                 self._state, loss, grads = steps.shorter(self._state, batch, key)
                 if last:
                     intervals.grads = grads
+                note_loss(loss)
             elif n_steps > 1:
                 self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
+                note_losses(loss)
             elif last:  # it closes the interval too: its statistics come back
                 self._state, loss, intervals.grads, intervals.statistics = steps.last(
                     self._state, batch, key
                 )
+                note_loss(loss)
             else:
                 self._state, loss = steps.one(self._state, batch, key)
+                note_loss(loss)
             if traced:
                 annotation.__exit__(None, None, None)
                 profile.record(step + 1, step + n_steps, loss)  # type: ignore[union-attr]
             self._step = step = step + n_steps
-            losses.append(loss)
             queue.push(loss)
             if report is not None:
                 report.advance(step)

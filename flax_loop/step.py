@@ -296,15 +296,21 @@ def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
 
 
 class _Compiling:
-    r"""A variant compiling on the background thread: called, it waits for the
-    executable, puts it in its owner's attribute (later calls go straight to
-    it) and runs it."""
+    r"""A variant compiling on the background thread, or (without a future)
+    compiled when first called: called, it waits for the executable, puts it
+    in its owner's attribute (later calls go straight to it) and runs it."""
 
-    def __init__(self, owner: Any, name: str, future: concurrent.futures.Future) -> None:
-        self._owner, self._name, self._future = owner, name, future
+    def __init__(
+        self,
+        owner: Any,
+        name: str,
+        future: concurrent.futures.Future | None,
+        compile: Callable[[], Any],
+    ) -> None:
+        self._owner, self._name, self._future, self._compile = owner, name, future, compile
 
     def result(self) -> Callable[..., Any]:
-        compiled = self._future.result()
+        compiled = self._compile() if self._future is None else self._future.result()
         setattr(self._owner, self._name, compiled)
         return compiled
 
@@ -316,13 +322,15 @@ class CompiledSteps:
     r"""The update compiled in the variants a loop dispatches, all at set-up.
 
     A step; the last step of an interval, which also returns its gradients;
-    and, with `steps_per_dispatch > 1`, that many steps in one call. The one
-    the first dispatch needs (`first`) is traced and compiled at set-up (a
-    model's or loss's error is raised there); the others are traced and
-    compiled on a background thread, so that training starts meanwhile (a
-    variant called before it is ready waits for it, and raises its error).
-    Nothing is compiled for a later batch, so a changed batch shape is an
-    error, never a silent recompilation.
+    and, with `steps_per_dispatch > 1`, that many steps in one call. The
+    variants the loop's cadence calls are `needed`, the first dispatch's
+    first: it is traced and compiled at set-up (a model's or loss's error is
+    raised there); the other needed ones are traced and compiled on a
+    background thread, so that training starts meanwhile (a variant called
+    before it is ready waits for it, and raises its error); the rest (say,
+    the single step when a checkpoint comes every step) only if a changed
+    cadence calls them. Nothing is compiled for a later batch, so a changed
+    batch shape is an error, never a silent recompilation.
     """
 
     def __init__(
@@ -335,10 +343,9 @@ class CompiledSteps:
         key: jax.Array,
         steps_per_dispatch: int,
         shardings: TrainState | None = None,
-        first: str = "one",
+        needed: Sequence[str] = ("one", "last"),
     ) -> None:
-        # first: the variant the first dispatch calls, compiled before the
-        # others ("one", "last" with a checkpoint every step, or "many").
+        first = needed[0]
         if shardings is not None:
             mode = "gspmd"
         else:
@@ -389,7 +396,7 @@ class CompiledSteps:
         )
         names = ["last", "one"] + (["many"] if stacked is not None else [])
         later = {
-            name: functools.partial(lower, name, abstract, shardings)
+            name: functools.partial(_compile, functools.partial(lower, name, abstract, shardings))
             for name in names
             if name != first
         }
@@ -406,15 +413,18 @@ class CompiledSteps:
         # when an interval ends without its `last` step (a stop, the stream's end).
         try:
             setattr(self, first, program.compile())
-            for name, lowering in later.items():
-                self._compile_later(name, functools.partial(_compile, lowering))
+            for name, compile in later.items():
+                if name in needed:
+                    self._compile_later(name, compile)
+                else:
+                    setattr(self, name, _Compiling(self, name, None, compile))
             self._compile_later("_close_interval", close.compile)
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
 
     def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
         future = self._background.submit(compile)
-        setattr(self, name, _Compiling(self, name, future))
+        setattr(self, name, _Compiling(self, name, future, compile))
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""

@@ -495,19 +495,21 @@ def test_gradient_accumulation_with_multisteps_equals_one_large_batch():
 
 @pytest.mark.parametrize("steps_per_dispatch", [1, 4])
 def test_checkpoints_hold_every_steps_loss(steps_per_dispatch):
+    # 70-step intervals: a stacked chunk of 64 losses and 6 read one by one;
+    # the last interval's 10 in one padded chunk.
     every_step = [
-        c.loss for c in make_loop(1, optax.sgd(0.1), n_steps=12, n_steps_per_checkpoint=1)
+        c.loss for c in make_loop(1, optax.sgd(0.1), n_steps=150, n_steps_per_checkpoint=1)
     ]
     loop = make_loop(
         1,
         optax.sgd(0.1),
-        n_steps=12,
-        n_steps_per_checkpoint=6,
+        n_steps=150,
+        n_steps_per_checkpoint=70,
         steps_per_dispatch=steps_per_dispatch,
     )
     checkpoints = list(loop)
     history = np.concatenate([c.losses for c in checkpoints])
-    assert [len(c.losses) for c in checkpoints] == [6, 6] and history.dtype == np.float32
+    assert [len(c.losses) for c in checkpoints] == [70, 70, 10] and history.dtype == np.float32
     np.testing.assert_allclose(history, every_step, rtol=1e-6)
     assert checkpoints[-1].losses[-1] == np.float32(checkpoints[-1].loss)
     assert np.mean(checkpoints[0].losses) == pytest.approx(checkpoints[0].mean_loss, rel=1e-6)

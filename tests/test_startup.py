@@ -58,3 +58,30 @@ def test_a_second_process_set_up_hits_the_persistent_cache(tmp_path):
     second_hits, second_compilations = set_up(tmp_path / "cache")
     assert second_compilations == first_compilations
     assert second_hits == first_compilations  # every one came from the cache
+
+
+def test_set_up_traces_the_models_init_once(tmp_path):
+    # The state's shapes (jax.eval_shape) and the state (jit) come from one
+    # trace of init: JAX reuses it; a resumed run only takes the shapes.
+    import jax
+
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter
+    from tests.helpers import MLP, digits_loop
+
+    model = MLP()
+    calls = []
+
+    def init(*args, **kwargs):
+        calls.append(1)
+        return model.init(*args, **kwargs)
+
+    loop = digits_loop(model, init=init, n_devices=2, n_steps=2)
+    assert len(calls) == 1
+    CheckpointFileWriter(output_dir=str(tmp_path))(loop.next_checkpoint())
+    calls.clear()
+    digits_loop(model, init=init, n_devices=2, sharding="fsdp", fsdp_min_bytes=0)
+    assert len(calls) == 1  # shapes for the layout, then the state in it
+    calls.clear()
+    digits_loop(model, init=CheckpointFileReader(dir=str(tmp_path), target=init), n_devices=2)
+    assert len(calls) == 1  # the shapes to restore into; the file holds the rest
+    assert jax.device_count() >= 2
