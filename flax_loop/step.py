@@ -407,10 +407,11 @@ class CompiledSteps:
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="flax_loop-compile"
         )
-        # The other variants are traced and compiled once the first is, while
-        # the first steps run (compiled beside it, they would only share the
-        # cores with it); last the interval's separate close, needed only
-        # when an interval ends without its `last` step (a stop, the stream's end).
+        # The other needed variants are traced and compiled once the first is,
+        # while the first steps run (compiled beside it, they would only share
+        # the cores with it). The interval's separate close is needed only when
+        # an interval ends without its `last` step (a stop, the stream's end):
+        # it compiles then (a small program).
         try:
             setattr(self, first, program.compile())
             for name, compile in later.items():
@@ -418,7 +419,7 @@ class CompiledSteps:
                     self._compile_later(name, compile)
                 else:
                     setattr(self, name, _Compiling(self, name, None, compile))
-            self._compile_later("_close_interval", close.compile)
+            self._close_interval = _Compiling(self, "_close_interval", None, close.compile)
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
 
