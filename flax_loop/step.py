@@ -296,21 +296,19 @@ def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
 
 
 class _Compiling:
-    r"""A variant compiling on the background thread, or (without a future)
-    compiled when first called: called, it waits for the executable, puts it
-    in its owner's attribute (later calls go straight to it) and runs it."""
+    r"""A variant compiling on the background thread (`source` its future), or
+    compiled when first called (`source` compiles it): called, it waits for
+    the executable, puts it in its owner's attribute (later calls go straight
+    to it) and runs it."""
 
     def __init__(
-        self,
-        owner: Any,
-        name: str,
-        future: concurrent.futures.Future | None,
-        compile: Callable[[], Any],
+        self, owner: Any, name: str, source: concurrent.futures.Future | Callable[[], Any]
     ) -> None:
-        self._owner, self._name, self._future, self._compile = owner, name, future, compile
+        self._owner, self._name, self._source = owner, name, source
 
     def result(self) -> Callable[..., Any]:
-        compiled = self._compile() if self._future is None else self._future.result()
+        source = self._source
+        compiled = source.result() if isinstance(source, concurrent.futures.Future) else source()
         setattr(self._owner, self._name, compiled)
         return compiled
 
@@ -319,7 +317,7 @@ class _Compiling:
 
 
 class CompiledSteps:
-    r"""The update compiled in the variants a loop dispatches, all at set-up.
+    r"""The update compiled in the variants a loop dispatches.
 
     A step; the last step of an interval, which also returns its gradients;
     and, with `steps_per_dispatch > 1`, that many steps in one call. The
@@ -418,14 +416,14 @@ class CompiledSteps:
                 if name in needed:
                     self._compile_later(name, compile)
                 else:
-                    setattr(self, name, _Compiling(self, name, None, compile))
-            self._close_interval = _Compiling(self, "_close_interval", None, close.compile)
+                    setattr(self, name, _Compiling(self, name, compile))
+            self._close_interval = _Compiling(self, "_close_interval", close.compile)
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
 
     def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
         future = self._background.submit(compile)
-        setattr(self, name, _Compiling(self, name, future, compile))
+        setattr(self, name, _Compiling(self, name, future))
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""
