@@ -22,20 +22,30 @@ draw different dropout masks; a `__call__(self, x, rngs=None)` also gets an
 (4, 2)
 """
 
+from __future__ import annotations
+
 import inspect
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import jax
-from flax import nnx
 from flax.core.scope import CollectionFilter
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+# flax.nnx is imported where an NNX module is used, never for a linen program
+# (importing it costs ~0.7 s here: every process that trains linen saves it).
 
 DEFAULT_STREAM = "default"
 r"""The RNG label an NNX model's streams are reseeded from when none is named."""
 
 
 def is_nnx(value: Any) -> bool:
-    r"""Whether `value` is an NNX module (not a linen function)."""
-    return isinstance(value, nnx.Module)
+    r"""Whether `value` is an NNX module (not a linen function): only if the
+    program imported flax.nnx can it hold one."""
+    imported = sys.modules.get("flax.nnx")
+    return imported is not None and isinstance(value, imported.Module)
 
 
 class NNXModel:
@@ -48,6 +58,8 @@ class NNXModel:
     """
 
     def __init__(self, module: nnx.Module, train: bool) -> None:
+        from flax import nnx
+
         self.graphdef, params, self._rng_state, rest = _split(module)
         self._params = nnx.to_pure_dict(params)
         self._rest = nnx.to_pure_dict(rest)
@@ -61,6 +73,8 @@ class NNXModel:
 
     def module(self, variables: Any) -> nnx.Module:
         r"""A new module holding `variables` (inside or outside compiled code)."""
+        from flax import nnx
+
         variables = dict(variables)
         params = _state(self._templates[0], variables.pop("params"))
         rest = _state(self._templates[1], variables)
@@ -81,6 +95,8 @@ class NNXModel:
     ) -> Any:
         r"""`module(*inputs)`, as linen's `apply`: the outputs, and with
         `mutable` the module's new state (`(outputs, {...})`)."""
+        from flax import nnx
+
         module = self.module(variables)
         rngs = dict(rngs or {})
         if rngs:
@@ -96,10 +112,14 @@ class NNXModel:
 
 def _split(module: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
     r"""The graph definition, parameters, RNG state and other state of a module."""
+    from flax import nnx
+
     return nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[return-value]
 
 
 def _state(template: nnx.State, values: Any) -> nnx.State:
+    from flax import nnx
+
     state = jax.tree.map(lambda leaf: leaf, template)  # a copy: templates stay as they are
     nnx.replace_by_pure_dict(state, values)
     return state
@@ -107,6 +127,8 @@ def _state(template: nnx.State, values: Any) -> nnx.State:
 
 def _reseed(module: nnx.Module, key: jax.Array) -> None:
     r"""Gives every RNG stream of `module` a key of its own, derived from `key`."""
+    from flax import nnx
+
     streams = [
         stream for _, stream in nnx.graph.iter_graph(module) if isinstance(stream, nnx.RngStream)
     ]
