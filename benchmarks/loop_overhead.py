@@ -271,9 +271,8 @@ def measure(runs, n_steps, repeats):
     for _ in range(repeats):
         for name, run in runs.items():
             times[name].append(run(n_steps))
-    measure.times = times
     rates = {name: n_steps / statistics.median(values) for name, values in times.items()}
-    return rates, paired_ratios(times, next(iter(times)))
+    return rates, paired_ratios(times, next(iter(times))), times
 
 
 def paired_ratios(times, base):
@@ -336,7 +335,7 @@ def main():
                 runs["  (its groups stacked before timing)"] = hand_written_scan(
                     spec["model"], optimizer, batches, 32, stack=False
                 )
-            rates, ratios = measure(runs, n_steps, repeats)
+            rates, ratios, times = measure(runs, n_steps, repeats)
             base = rates["hand-written"]
             for variant, rate in rates.items():
                 if variant == "hand-written":
@@ -356,8 +355,8 @@ def main():
                     f"{label:<22}{n_devices:>8}{base:>14,.1f}{rate:>11,.1f}{ratios[variant]:>7.2f}  {row['peak_rss_mib']:,.0f}"
                 )
             if name == "mlp-64-32-10":
-                scan = paired_ratios(measure.times, "hand-written scan, 32 per call")
-                ceiling = paired_ratios(measure.times, "  (its groups stacked before timing)")
+                scan = paired_ratios(times, "hand-written scan, 32 per call")
+                ceiling = paired_ratios(times, "  (its groups stacked before timing)")
                 variant = "TrainLoop, 32 steps per dispatch"
                 rows.append(
                     dict(

@@ -458,22 +458,22 @@ class TrainLoop:
                 self._state, loss, grads = steps.shorter(self._state, batch, key)
                 if last:
                     intervals.grads = grads
-                note_loss(loss)
             elif n_steps > 1:
                 self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
-                note_losses(loss)
             elif last:  # it closes the interval too: its statistics come back
                 self._state, loss, intervals.grads, intervals.statistics = steps.last(
                     self._state, batch, key
                 )
-                note_loss(loss)
             else:
                 self._state, loss = steps.one(self._state, batch, key)
-                note_loss(loss)
             if traced:
                 annotation.__exit__(None, None, None)
                 profile.record(step + 1, step + n_steps, loss)  # type: ignore[union-attr]
             self._step = step = step + n_steps
+            if n_steps > 1:
+                note_losses(loss)
+            else:
+                note_loss(loss)
             queue.push(loss)
             if report is not None:
                 report.advance(step)

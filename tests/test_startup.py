@@ -1,9 +1,13 @@
 """A restarted run compiles nothing: JAX's persistent compilation cache (README: "Start fast")."""
 
+import concurrent.futures
 import os
 import subprocess
 import sys
 import textwrap
+
+import jax
+import numpy as np
 
 from tests.flags import xla_flags
 from tests.helpers import ROOT
@@ -63,8 +67,6 @@ def test_a_second_process_set_up_hits_the_persistent_cache(tmp_path):
 def test_set_up_traces_the_models_init_once(tmp_path):
     # The state's shapes (jax.eval_shape) and the state (jit) come from one
     # trace of init: JAX reuses it; a resumed run only takes the shapes.
-    import jax
-
     from flax_loop import CheckpointFileReader, CheckpointFileWriter
     from tests.helpers import MLP, digits_loop
 
@@ -84,4 +86,22 @@ def test_set_up_traces_the_models_init_once(tmp_path):
     calls.clear()
     digits_loop(model, init=CheckpointFileReader(dir=str(tmp_path), target=init), n_devices=2)
     assert len(calls) == 1  # the shapes to restore into; the file holds the rest
-    assert jax.device_count() >= 2
+
+
+def test_a_variant_the_cadence_never_calls_compiles_when_first_called():
+    # A checkpoint every step calls only the interval's last step: the single
+    # step is not compiled at set-up, nor beside the first steps.
+    from tests.helpers import digits_loop
+
+    loop = digits_loop(n_devices=1, n_steps=6)
+    assert [c.step for c in loop.run(3)] == [1, 2, 3]
+    pending = loop._steps.one  # compiles when called: no future on the background thread
+    assert not isinstance(pending, jax.stages.Compiled) and callable(pending._source)
+    assert not isinstance(pending._source, concurrent.futures.Future)
+    assert isinstance(loop._steps.last, jax.stages.Compiled)
+    loop.n_steps_per_checkpoint = 3  # now steps 4 and 5 are single steps
+    (changed,) = list(loop)
+    assert changed.step == 6 and isinstance(loop._steps.one, jax.stages.Compiled)
+    _, straight = list(digits_loop(n_devices=1, n_steps=6, n_steps_per_checkpoint=3))
+    for a, b in zip(jax.tree.leaves(changed.model_params), jax.tree.leaves(straight.model_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same steps, same bits
