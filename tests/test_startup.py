@@ -105,3 +105,46 @@ def test_a_variant_the_cadence_never_calls_compiles_when_first_called():
     _, straight = list(digits_loop(n_devices=1, n_steps=6, n_steps_per_checkpoint=3))
     for a, b in zip(jax.tree.leaves(changed.model_params), jax.tree.leaves(straight.model_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same steps, same bits
+
+
+def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch):
+    # The state is created by a program compiled once at a lower XLA
+    # optimization level on CPU (flax_loop/initial.py::run_once): its values
+    # are those of init compiled with XLA's defaults (level 3), bit for bit.
+    import flax.linen as nn
+    import optax
+
+    from flax_loop.initial import _initialize, initial_state, run_once_options
+    from flax_loop.random import init_key
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            x = nn.Conv(8, (3, 3))(x.reshape(-1, 8, 8, 1))
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+            x = nn.Dropout(0.3, deterministic=not train)(x.reshape(x.shape[0], -1))
+            x = nn.LayerNorm()(nn.Dense(32, kernel_init=nn.initializers.orthogonal())(x))
+            kernel_init = nn.initializers.variance_scaling(2, "fan_in", "uniform")
+            return nn.Dense(10, kernel_init=kernel_init)(x)
+
+    assert "xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]  # the suite's
+    assert run_once_options() is None  # a level the user set is kept
+    flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert run_once_options() == {"xla_backend_optimization_level": 2}
+    x = np.random.default_rng(0).normal(size=(16, 64)).astype(np.float32)
+    optimizer = optax.adamw(1e-3)
+    labels = ["params", "dropout"]
+    key = jax.random.key(3)
+    start = initial_state(Net().init, optimizer, key, (x,), labels, mutable_collections=True)
+
+    def reference(key, x):
+        params, model_state = _initialize(Net().init, init_key(key), (x,), labels, True)
+        return params, model_state, optimizer.init(params)
+
+    defaults = {"xla_backend_optimization_level": 3}
+    expected = jax.jit(reference).lower(key, x).compile(compiler_options=defaults)(key, x)
+    got = (start.model_params, start.model_state, start.optimizer_state)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
