@@ -20,7 +20,9 @@ from flax.core.scope import CollectionFilter
 from flax_loop.checkpoint import CheckpointFile, CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
+from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
+from flax_loop.state import TrainState
 
 InitFn = Callable[..., Any]
 r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""
@@ -72,6 +74,39 @@ class InitialState(NamedTuple):
             )
         return self.rnkey
 
+    def placed(
+        self,
+        step: int,
+        ema: bool,
+        placement: Placement,
+        shardings_of: Callable[[TrainState], TrainState] | None = None,
+    ) -> tuple[TrainState, TrainState | None]:
+        r"""The state the first step takes, on the devices, at `step`.
+
+        Args:
+            step: the step the processes agreed to start from.
+            ema: whether the state keeps a moving average of the parameters
+                (one starts at the parameters when the file holds none).
+            placement: the devices.
+            shardings_of: the state's layout, given the state; `None`
+                replicates it over the devices.
+
+        Returns:
+            the state, and its shardings (`None` when replicated).
+        """
+        ema_params = None
+        if ema:
+            ema_params = self.ema_params
+            if ema_params is None:  # a fresh average starts at the parameters
+                ema_params = jax.tree.map(lambda leaf: leaf.copy(), self.model_params)
+        created = TrainState.create(
+            self.model_params, self.model_state, self.optimizer_state, step, ema_params
+        )
+        if shardings_of is None:
+            return placement.replicate(created), None
+        shardings = shardings_of(created)
+        return placement.place(created, shardings), shardings
+
 
 def initial_state(
     init: InitFn,
@@ -98,12 +133,12 @@ def initial_state(
         CheckpointError: if the directory's files cannot be used.
     """
 
-    def start(key: jax.Array, *inputs: Any) -> tuple[Any, Any, Any]:
+    def start(rnkey: jax.Array, *inputs: Any) -> tuple[Any, Any, Any]:
+        key = init_key(rnkey)  # derived in the program: no key op compiled apart
         params, model_state = _initialize(init, key, inputs, init_labels, mutable_collections)
         return params, model_state, _init_optimizer(optimizer, params)
 
-    key = init_key(rnkey)
-    template = _guarded(lambda: jax.eval_shape(start, key, *inputs), init, inputs, init_labels)
+    template = _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels)
     shardings = None if layout is None else layout(*template)
     if shardings is not None:
         template = jax.tree.map(
@@ -128,7 +163,7 @@ def initial_state(
             log(f"Training starts from the parameters in {restored.path}.")
             params = restored.model_params
             _, model_state, _ = _guarded(
-                lambda: run_once(start, place, key, *inputs), init, inputs, init_labels
+                lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
             )
             optimizer_state = run_once(
                 functools.partial(_init_optimizer, optimizer),
@@ -148,7 +183,7 @@ def initial_state(
                 restored.ema_params,
             )
     params, model_state, optimizer_state = _guarded(
-        lambda: run_once(start, place, key, *inputs), init, inputs, init_labels
+        lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
     )
     return InitialState(params, model_state, optimizer_state, 0)
 

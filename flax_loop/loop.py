@@ -25,7 +25,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
 from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
@@ -35,7 +34,7 @@ from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpoi
 from flax_loop.console import describe_model
 from flax_loop.errors import ConfigError, DataExhaustedError, check_count
 from flax_loop.feed import BatchFeed
-from flax_loop.initial import InitFn, Reader, initial_state
+from flax_loop.initial import InitFn, Reader, initial_state, run_once
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
 from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
@@ -239,25 +238,13 @@ class TrainLoop:
                 self._feed.restore(start.data_state, stdout)
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)
-            self._train_key = placement.replicate(train_key(key))
-            ema_params = None
-            if ema_decay is not None:
-                ema_params = start.ema_params
-                if ema_params is None:  # a fresh average starts at the parameters
-                    ema_params = jax.tree.map(lambda leaf: leaf.copy(), start.model_params)
-            created = TrainState.create(
-                start.model_params,
-                start.model_state,
-                start.optimizer_state,
+            self._train_key = placement.replicate(run_once(train_key, None, key))
+            self._state, shardings = start.placed(
                 self._step,
-                ema_params,
+                ema_decay is not None,
+                placement,
+                None if is_replicated(sharding) else shardings_of,
             )
-            shardings = None
-            if is_replicated(sharding):
-                self._state = placement.replicate(created)
-            else:
-                shardings = shardings_of(created)
-                self._state = placement.place(created, shardings)
             apply_labels = labels_of(collections, "apply")
             if is_nnx(task.apply) and not apply_labels:
                 apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
