@@ -1,6 +1,7 @@
 """TrainLoop against a hand-written loop: same model, data and devices, one process.
 
     python benchmarks/loop_overhead.py [--quick] [--json results/loop_overhead.json]
+    python benchmarks/loop_overhead.py --anatomy [--rounds 9]   # the small MLP's step taken apart
 
 For each workload and device count the script alternates a hand-written
 loop and a TrainLoop run of the same steps, three times, and reports the
@@ -215,6 +216,81 @@ def hand_written_scan(model, optimizer, batches, steps_per_call, stack=True):
     return run
 
 
+def anatomy(rounds, n_steps=3200):
+    """Where the small MLP's per-step time goes: the hand-written loop, the
+    TrainLoop's compiled step called bare (the hand-written loop's queue and
+    batches), that with the feed's `take`, that plus 1.6 us of busy waiting
+    instead of `take`, and the whole TrainLoop; each as steps per second,
+    its paired ratio to the hand-written loop, and the process's CPU time per
+    step (all threads). Uses the loop's internals: a diagnosis, not an API."""
+    spec = WORKLOADS["mlp-64-32-10"]
+    batches = make_batches(spec["shape"], spec["batch"])
+    optimizer = optax.adam(1e-3)
+    depth = Placement(jax.devices()[:1]).dispatch_depth
+    hand = hand_written(spec["model"], optimizer, batches, 1, [], depth)
+    loop = TrainLoop(
+        init=spec["model"].init,
+        task=TrainTask(spec["model"].apply, optimizer, cross_entropy, itertools.cycle(batches)),
+        rnkey=jax.random.key(0),
+        devices=jax.devices()[:1],
+        n_steps_per_checkpoint=10**9,
+        stdout=False,
+    )
+    whole = timed_loop(loop)
+    whole(64)  # past the feed's first reads (it decides to read inline)
+    one, key, feed = loop._steps.one, loop._train_key, loop._feed
+    plain = [((x,), (y,)) for x, y in batches]
+
+    def busy():
+        until = time.perf_counter() + 1.6e-6
+        while time.perf_counter() < until:
+            pass
+
+    def bare(read):
+        def run(n):
+            state, queue = loop._state, deque()
+            stream = itertools.cycle(plain)
+            started = time.perf_counter()
+            for _ in range(n):
+                if read == "take":
+                    batch = feed.take(10**9, False, 1)[0]
+                else:
+                    batch = next(stream)
+                    if read == "busy":
+                        busy()
+                state, loss = one(state, batch, key)
+                queue.append(loss)
+                if len(queue) > depth:
+                    queue.popleft().block_until_ready()
+            loss.block_until_ready()
+            loop._state = state
+            return time.perf_counter() - started
+
+        return run
+
+    runs = {
+        "hand-written": hand,
+        "compiled step, bare": bare(None),
+        "  + the feed's take": bare("take"),
+        "  + 1.6 us busy instead": bare("busy"),
+        "TrainLoop": whole,
+    }
+    times = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            before = time.process_time()
+            times[name].append(run(n_steps))
+            cpu[name].append(time.process_time() - before)
+    ratios = paired_ratios(times, "hand-written")
+    print(f"mlp-64-32-10, 1 device, {rounds} rounds of {n_steps} steps; medians")
+    print(f"{'':<26}{'us/step':>9}{'ratio':>7}{'CPU us/step':>13}")
+    for name in runs:
+        wall = statistics.median(times[name]) / n_steps * 1e6
+        used = statistics.median(cpu[name]) / n_steps * 1e6
+        print(f"{name:<26}{wall:>9.1f}{ratios[name]:>7.2f}{used:>13.1f}")
+
+
 def memory_child(variant):
     """Runs one variant alone; prints its peak resident memory."""
     spec = WORKLOADS["mlp-784-512-512-10"]
@@ -292,7 +368,13 @@ def main():
     parser.add_argument("--only", default=None, help="run one workload")
     parser.add_argument("--rounds", type=int, default=7, help="rounds per workload (default 7)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--anatomy", action="store_true", help="where the small MLP's per-step time goes"
+    )
     args = parser.parse_args()
+    if args.anatomy:
+        anatomy(args.rounds)
+        return
     if args.json is None:
         suffix = f".{args.only}" if args.only else ""
         args.json = os.path.join("benchmarks", "results", f"loop_overhead{suffix}.json")
