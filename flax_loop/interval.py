@@ -14,11 +14,11 @@ import numpy as np
 import optax
 
 from flax_loop.checkpoint import Checkpoint
+from flax_loop.compiled import CompiledSteps
 from flax_loop.errors import NonFiniteError
 from flax_loop.feed import BatchFeed
 from flax_loop.parallel import Placement, to_host
 from flax_loop.state import IntervalStatistics, TrainState
-from flax_loop.step import CompiledSteps
 
 CHUNK = 64
 r"""Dispatches' losses stacked on the devices per host transfer."""

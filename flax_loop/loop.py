@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from flax_loop import distributed
 from flax_loop.batch import normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
+from flax_loop.compiled import CompiledSteps
 from flax_loop.console import describe_model
 from flax_loop.errors import ConfigError, DataExhaustedError, check_count
 from flax_loop.feed import BatchFeed
@@ -51,7 +52,7 @@ from flax_loop.sharding import (
     state_shardings,
 )
 from flax_loop.state import TrainState
-from flax_loop.step import NONFINITE_MODES, CompiledSteps, build_update
+from flax_loop.step import NONFINITE_MODES, build_update
 from flax_loop.task import TrainTask, check_train_task
 
 MAX_STEPS = 2**31 - 1

@@ -14,25 +14,20 @@ under a plain `jax.jit`, without collectives (`shard_map` costs ~11% there).
 (1, ())
 """
 
-import concurrent.futures
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.core.scope import CollectionFilter
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.batch import Batch
 from flax_loop.model import call_apply, split_loss
-from flax_loop.parallel import DATA_AXIS, Placement, to_host
+from flax_loop.parallel import DATA_AXIS, Placement
 from flax_loop.random import step_keys
 from flax_loop.state import (
-    IntervalResult,
-    IntervalStatistics,
     TrainState,
     all_finite,
     close_interval,
@@ -289,187 +284,3 @@ def lower_update(
             out_shardings=outputs[:n_outputs],
         )
     return jitted.lower(state, batch, key)
-
-
-def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
-    return lowering().compile()
-
-
-class _Compiling:
-    r"""A variant compiling on the background thread (`source` its future), or
-    compiled when first called (`source` compiles it): called, it waits for
-    the executable, puts it in its owner's attribute (later calls go straight
-    to it) and runs it."""
-
-    def __init__(
-        self, owner: Any, name: str, source: concurrent.futures.Future | Callable[[], Any]
-    ) -> None:
-        self._owner, self._name, self._source = owner, name, source
-
-    def result(self) -> Callable[..., Any]:
-        source = self._source
-        compiled = source.result() if isinstance(source, concurrent.futures.Future) else source()
-        setattr(self._owner, self._name, compiled)
-        return compiled
-
-    def __call__(self, *args: Any) -> Any:
-        return self.result()(*args)
-
-
-class CompiledSteps:
-    r"""The update compiled in the variants a loop dispatches.
-
-    A step; the last step of an interval, which also returns its gradients;
-    and, with `steps_per_dispatch > 1`, that many steps in one call. The
-    variants the loop's cadence calls are `needed`, the first dispatch's
-    first: it is traced and compiled at set-up (a model's or loss's error is
-    raised there); the other needed ones are traced and compiled on a
-    background thread, so that training starts meanwhile (a variant called
-    before it is ready waits for it, and raises its error); the rest (say,
-    the single step when a checkpoint comes every step) only if a changed
-    cadence calls them. Nothing is compiled for a later batch, so a changed
-    batch shape is an error, never a silent recompilation.
-    """
-
-    def __init__(
-        self,
-        update: Update,
-        placement: Placement,
-        state: TrainState,
-        batch: Batch,
-        stacked: Batch | None,
-        key: jax.Array,
-        steps_per_dispatch: int,
-        shardings: TrainState | None = None,
-        needed: Sequence[str] = ("one", "last"),
-    ) -> None:
-        first = needed[0]
-        if shardings is not None:
-            mode = "gspmd"
-        else:
-            mode = "shard_map" if placement.n_devices > 1 else "jit"
-        lower_with = functools.partial(lower_update, update, placement, mode=mode)
-        many = functools.partial(lower_with, n_steps=steps_per_dispatch)
-
-        def lower(name: str, state: TrainState, shardings: TrainState | None) -> Any:
-            if name == "many":
-                return many(state, stacked, key, shardings=shardings)
-            last = name == "last"  # it closes the interval too
-            return lower_with(state, batch, key, with_grads=last, closing=last, shardings=shardings)
-
-        try:
-            program = lower(first, state, shardings)
-        except NameError as error:
-            # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
-            # one device: bind the axis with a one-device mesh.
-            if mode != "jit" or f"unbound axis name: {DATA_AXIS}" not in str(error):
-                raise
-            mode = "shard_map"
-            lower_with = functools.partial(lower_update, update, placement, mode=mode)
-            many = functools.partial(lower_with, n_steps=steps_per_dispatch)
-            program = lower(first, state, shardings)
-        sums = program.out_info[0].metric_sums
-        if set(sums) != set(state.metric_sums):  # the loss reports metrics: carry their sums
-            zeros = {name: np.zeros((), np.float32) for name in sums}
-            state = state._replace(metric_sums=placement.replicate(zeros))
-            if shardings is not None:
-                shardings = shardings._replace(
-                    metric_sums={name: placement.replicated for name in sums}
-                )
-            program = lower(first, state, shardings)
-        self.state = state
-        r"""the state to start from (with the metric sums the loss needs)."""
-        self._lower = functools.partial(lower_with, key=key, with_grads=True, shardings=shardings)
-        self._shorter: dict[Any, Callable[..., Any]] = {}
-        replicated = placement.replicated
-        state_sharding = replicated if shardings is None else shardings
-        close = jax.jit(
-            close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated)
-        ).lower(state, state.model_params)
-        # The other variants are traced on the background thread, from the
-        # state's shapes and layout (the state itself is donated meanwhile).
-        abstract = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding),
-            state,
-        )
-        names = ["last", "one"] + (["many"] if stacked is not None else [])
-        later = {
-            name: functools.partial(_compile, functools.partial(lower, name, abstract, shardings))
-            for name in names
-            if name != first
-        }
-        self.one: Callable[..., Any]
-        self.last: Callable[..., Any]
-        self.many: Callable[..., Any] | None = None
-        self._close_interval: Callable[..., Any]
-        self._background = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="flax_loop-compile"
-        )
-        # The other needed variants are traced and compiled once the first is,
-        # while the first steps run (compiled beside it, they would only share
-        # the cores with it). The interval's separate close is needed only when
-        # an interval ends without its `last` step (a stop, the stream's end):
-        # it compiles then (a small program).
-        try:
-            setattr(self, first, program.compile())
-            for name, compile in later.items():
-                if name in needed:
-                    self._compile_later(name, compile)
-                else:
-                    setattr(self, name, _Compiling(self, name, compile))
-            self._close_interval = _Compiling(self, "_close_interval", close.compile)
-        finally:
-            self._background.shutdown(wait=False)  # the thread ends after the last one
-
-    def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
-        future = self._background.submit(compile)
-        setattr(self, name, _Compiling(self, name, future))
-
-    def wait(self) -> None:
-        r"""Waits until every variant is compiled (raising a compilation's error)."""
-        for name in ("one", "last", "many", "_close_interval"):
-            variant = getattr(self, name)
-            if isinstance(variant, _Compiling):
-                variant.result()
-
-    def shorter(self, state: TrainState, batch: Batch, key: jax.Array) -> Any:
-        r"""One step on a stream's shorter last batch, `-> (state, loss, grads)`,
-        compiled for its size on first use (once per size)."""
-        shapes = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
-        compiled = self._shorter.get(shapes)
-        if compiled is None:
-            compiled = self._shorter[shapes] = self._lower(state, batch).compile()
-        return compiled(state, batch, key)
-
-    def finish_interval(
-        self,
-        state: TrainState,
-        grads: Any,
-        loss: jax.Array,
-        n_steps: int,
-        statistics: IntervalStatistics | None = None,
-    ) -> tuple[TrainState, IntervalResult]:
-        r"""The interval's statistics on the host (the host's one wait for the
-        devices in an interval), and the state with its interval sums reset.
-
-        `statistics` are those the `last` step returned (it closed the
-        interval); without them (an interval ended by a stop request or the
-        stream's end) the interval is closed here."""
-        if statistics is None:
-            state, statistics = self._close_interval(state, grads)
-        loss, (counters, loss_sum, metric_sums, finite) = to_host((loss, statistics))
-        _, n_nonfinite, first_nonfinite = (int(count) for count in counters)
-        n_finite = n_steps - n_nonfinite
-
-        def mean(total: Any) -> float:
-            return float(total) / n_finite if n_finite else float("nan")
-
-        metrics = {name: mean(total) for name, total in metric_sums.items()}
-        return state, IntervalResult(
-            float(np.reshape(loss, -1)[-1]),
-            mean(loss_sum),
-            n_nonfinite,
-            first_nonfinite,
-            bool(finite),
-            metrics,
-        )
