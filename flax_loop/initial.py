@@ -188,6 +188,9 @@ def initial_state(
     return InitialState(params, model_state, optimizer_state, 0)
 
 
+_LEVEL = "xla_backend_optimization_level"
+
+
 def run_once(fn: Callable[..., Any], out_shardings: Any, *args: Any) -> Any:
     r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
     once (an initialization), compiled with `run_once_options()`."""
@@ -208,9 +211,6 @@ def run_once_options() -> dict[str, Any] | None:
     if jax.default_backend() != "cpu" or _LEVEL in os.environ.get("XLA_FLAGS", ""):
         return None
     return {_LEVEL: 2}
-
-
-_LEVEL = "xla_backend_optimization_level"
 
 
 def _guarded(
