@@ -6,9 +6,8 @@ last of the interval (the last step also returns its gradients). To know
 that, it reads one batch ahead, except at an interval's planned end, so
 that a checkpoint's data state is the state after its last trained batch.
 
-A re-iterable source (a list, a `DataLoader`, a grain dataset: anything
-whose `iter()` gives a fresh iterator) is read epoch after epoch; a one-shot
-iterator ends training when it ends.
+The raw batches, epoch after epoch for a re-iterable source, and their
+position come from a `DataSource` (`flax_loop.source`).
 
 A slow source is read by a background thread (`flax_loop.prefetch`), a few
 batches ahead, while the devices compute: from the start with `prefetch=N`,
@@ -28,7 +27,6 @@ import copy
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -36,16 +34,14 @@ import numpy as np
 
 from flax_loop import distributed
 from flax_loop.batch import Batch, BatchSpec, normalize_batch
-from flax_loop.errors import BatchError, ConfigError, DataExhaustedError, FlaxLoopError
+from flax_loop.errors import BatchError, DataExhaustedError, FlaxLoopError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.prefetch import Failed, Prefetcher
+from flax_loop.source import DataSource
 
 PER_PROCESS = "flax_loop/per_process"
 r"""The key of a data state saved by several processes, one per process."""
-
-EPOCH = "flax_loop/epoch"
-r"""The key of a re-iterable source's data state: the epoch, and the position in it."""
 
 PREFETCH_AFTER_SECONDS = 2e-4
 r"""With the default `prefetch=None`, a source whose first reads took this
@@ -83,16 +79,7 @@ class BatchFeed:
     def __init__(
         self, data: Any, placement: Placement, steps_per_dispatch: int, prefetch: int | None = None
     ) -> None:
-        try:
-            iterator = iter(data)
-        except TypeError as error:
-            raise ConfigError(
-                f"task.data must be an iterator or iterable of batches; got {type(data).__name__}."
-            ) from error
-        self._source: Iterable[Any] | None = None if iterator is data else data
-        self._iterator: Iterator[Any] = iterator
-        self._epoch = 0
-        self._position = 0  # batches read in this epoch
+        self._source = DataSource(data)
         self._placement = placement
         # On one process a batch goes to the step as it is (numpy is copied to
         # the devices by the call itself); several processes assemble theirs.
@@ -101,7 +88,6 @@ class BatchFeed:
         # (batch, the data state after it): the state only while states are
         # recorded per batch (`_threaded`, or deciding whether to prefetch).
         self._ahead: deque[tuple[Batch, Any]] = deque()
-        self._peeked: Any = _NOTHING  # a raw batch read to see if the stream ends
         self._noted_drop = False
         self._spec: BatchSpec | None = None
         self.exhausted = False
@@ -111,7 +97,7 @@ class BatchFeed:
         # data states recorded per batch.
         self._threaded = bool(prefetch)
         self._probe: list[float] | None = [] if prefetch is None else None
-        self._taken_state: Any = self._snapshot() if prefetch != 0 else None
+        self._taken_state: Any = self._source.snapshot() if prefetch != 0 else None
         started = time.perf_counter()
         first = self._read(for_step=1)
         if self._probe is not None:
@@ -126,12 +112,12 @@ class BatchFeed:
         distributed.agree("the process-local batch size", self.spec.batch_size)
         self.sample = first
         self._size = self.spec.batch_size
-        self._ahead.append((first, self._snapshot() if prefetch != 0 else None))
+        self._ahead.append((first, self._source.snapshot() if prefetch != 0 else None))
 
     @property
     def repeats(self) -> bool:
         r"""whether the source is read epoch after epoch."""
-        return self._source is not None
+        return self._source.repeats
 
     def samples(self) -> tuple[Any, Any | None]:
         r"""A batch as the steps take it, and `steps_per_dispatch` of them stacked
@@ -217,7 +203,7 @@ class BatchFeed:
     def _read_recorded(self, for_step: int) -> tuple[Batch, Any] | None:
         r"""The batch for `for_step` and the data state after it (a deep copy)."""
         batch = self._read(for_step)
-        return None if batch is None else (batch, self._snapshot())
+        return None if batch is None else (batch, self._source.snapshot())
 
     def _pull(self, for_step: int) -> tuple[Batch, Any] | None:
         r"""The next item of the thread (started, or started again after it
@@ -269,7 +255,7 @@ class BatchFeed:
     def _read(self, for_step: int) -> Batch | None:
         r"""The batch for `for_step`, normalized and validated; `None` at the end."""
         try:
-            raw = self._next_raw()
+            raw = self._source.next()
         except StopIteration:
             if self._placement.multiprocess:
                 raise DataExhaustedError(
@@ -294,7 +280,7 @@ class BatchFeed:
         except BatchError as error:
             raise BatchError(f"The batch for step {for_step}: {error}") from error
         smaller = spec is not None and batch[0][0].shape[:1] < (self._size,)
-        if smaller and spec.shorter(batch) and self._ends_after():  # type: ignore[union-attr]
+        if smaller and spec.shorter(batch) and self._source.ends_after():  # type: ignore[union-attr]
             # A stream's shorter last batch (a DataLoader's, tf.data's): trained
             # on if it splits over the devices, else dropped, never an error.
             size = batch[0][0].shape[0]
@@ -306,38 +292,13 @@ class BatchFeed:
                         "dropped (each time the source ends with it)."
                     )
                     self._noted_drop = True
-                return self._read(for_step) if self._source is not None else None
+                return self._read(for_step) if self._source.repeats else None
             return batch
         if spec is not None:
             spec.validate(batch, step=for_step)
         if not self._placement.multiprocess:
             batch = self._placement.feed_batch(batch)  # JAX arrays on other devices
         return batch
-
-    def _ends_after(self) -> bool:
-        r"""Whether the current iterator has no batch after the one just read."""
-        if self._peeked is _NOTHING:
-            try:
-                self._peeked = next(self._iterator)
-            except StopIteration:
-                return True
-        return False
-
-    def _next_raw(self) -> Any:
-        try:
-            if self._peeked is not _NOTHING:
-                raw, self._peeked = self._peeked, _NOTHING
-                self._position += 1
-                return raw
-            raw = next(self._iterator)
-        except StopIteration:
-            if self._source is None or self._position == 0:
-                raise  # a one-shot iterator, or an epoch without a batch
-            self._epoch, self._position = self._epoch + 1, 0
-            self._iterator = iter(self._source)
-            raw = next(self._iterator)
-        self._position += 1
-        return raw
 
     def state(self, step: int) -> Any:
         r"""The source's state after the last batch trained on, to save with a
@@ -349,24 +310,12 @@ class BatchFeed:
         # Inline, nothing is read past an interval's planned end, so the
         # source's own state is that after the last batch trained on; with a
         # thread reading ahead, the state recorded with that batch is.
-        state = copy.deepcopy(self._taken_state) if self._threaded else self._snapshot()
+        state = copy.deepcopy(self._taken_state) if self._threaded else self._source.snapshot()
         if state is None:
             return None
         if self._placement.multiprocess:
             return {PER_PROCESS: distributed.gather_objects(f"data_state/{step}", state)}
         return state
-
-    def _snapshot(self) -> Any:
-        r"""The source's state now (a deep copy); `None` if it has none."""
-        get_state = getattr(self._iterator, "get_state", None)
-        if self._source is not None:
-            position: dict[str, Any] = {"epoch": self._epoch, "batches": self._position}
-            if callable(get_state):
-                position["state"] = get_state()
-            return copy.deepcopy({EPOCH: position})
-        if callable(get_state):
-            return copy.deepcopy(get_state())
-        return None
 
     def restore(self, state: Any, stdout: bool) -> None:
         r"""Repositions the source at a saved state (what was read ahead is dropped).
@@ -385,12 +334,11 @@ class BatchFeed:
         if self._prefetcher is not None:
             self._prefetcher.stop()  # what it read ahead is dropped with the rest
             self._prefetcher = None
-        why = self._reposition(state)
+        why = self._source.reposition(state)
         if why is None:
             self._ahead.clear()
-            self._peeked = _NOTHING
             self.exhausted = False
-            self._taken_state = self._snapshot()
+            self._taken_state = self._source.snapshot()
             return
         log(
             f"[yellow]The data stream cannot be repositioned[/yellow] ({why}): it "
@@ -399,34 +347,6 @@ class BatchFeed:
             "have them) or a re-iterable source for exact resume.",
             stdout=stdout,
         )
-
-    def _reposition(self, state: Any) -> str | None:
-        r"""Repositions the source; `None` if done, or why it cannot be."""
-        set_state = getattr(self._iterator, "set_state", None)
-        if self._source is None and not callable(set_state):
-            return "it has no get_state/set_state"
-        if state is None:
-            return "the checkpoint holds no state of it, or one of another number of processes"
-        if self._source is not None:
-            if not (isinstance(state, dict) and isinstance(state.get(EPOCH), dict)):
-                return "the checkpoint's data state is not that of a re-iterable source"
-            saved = state[EPOCH]
-            self._iterator, self._epoch = iter(self._source), int(saved.get("epoch", 0))
-            set_state = getattr(self._iterator, "set_state", None)
-            if "state" in saved and callable(set_state):
-                set_state(saved["state"])
-                self._position = int(saved.get("batches", 0))
-                return None
-            self._position = 0
-            for _ in range(int(saved.get("batches", 0))):  # skip what was trained on
-                self._next_raw()
-            return None
-        assert callable(set_state)
-        set_state(state)
-        return None
-
-
-_NOTHING = object()
 
 
 def _as_is(batch: Batch) -> Batch:
