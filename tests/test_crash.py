@@ -19,8 +19,9 @@ from flax_loop.checkpoint._file import TEMPORARY_PREFIX
 from tests.helpers import assert_same_arrays, directory_bytes, file_names, resume_worker, run, start
 
 N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 4
-# A kill lands on average 0.3 s (15 steps) after start-up: enough steps that
-# the run is still going after every kill.
+# A kill lands on average 0.3 s (15 steps) after the run's first checkpoint
+# (a fixed delay after start-up left two kills in one interval on a slow
+# machine): enough steps that the run is still going after every kill.
 N_STEPS, EVERY, KEEP, STEP_SECONDS = 30 * N_KILLS, 5, 2, 0.02
 
 
@@ -52,7 +53,8 @@ def test_sigkill_at_random_moments_then_exact_resume(tmp_path):
                 lines.append(line)
                 if line.startswith("START"):
                     resumed_from.append(int(line.split()[1]))
-                    break
+                if line.startswith("WROTE"):
+                    break  # each run gets past a checkpoint of its own, however slow
             time.sleep(rng.uniform(0.0, 0.6))
             process.send_signal(signal.SIGKILL)
             rest, _ = process.communicate(timeout=60)
