@@ -14,9 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flax_loop.batch import Batch
+from flax_loop.initial import run_once
+from flax_loop.packing import LayoutChanged, Packing, on_packed
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.state import IntervalResult, IntervalStatistics, TrainState, close_interval
 from flax_loop.step import Update, lower_update
@@ -79,50 +82,72 @@ class CompiledSteps:
             mode = "gspmd"
         else:
             mode = "shard_map" if placement.n_devices > 1 else "jit"
-        lower_with = functools.partial(lower_update, update, placement, mode=mode)
-        many = functools.partial(lower_with, n_steps=steps_per_dispatch)
+        replicated = placement.replicated
+        # A replicated state travels packed: fewer arrays a call (flax_loop.packing).
+        packing = None if shardings is not None else _packing_of(state)
 
-        def lower(name: str, state: TrainState, shardings: TrainState | None) -> Any:
+        def lower(name: str, state: Any, shardings: TrainState | None) -> Any:
+            lower_with = functools.partial(
+                lower_update, update, placement, mode=mode, shardings=shardings, packing=packing
+            )
             if name == "many":
-                return many(state, stacked, key, shardings=shardings)
+                assert stacked is not None
+                return lower_with(state, stacked, key, n_steps=steps_per_dispatch)
             last = name == "last"  # it closes the interval too
-            return lower_with(state, batch, key, with_grads=last, closing=last, shardings=shardings)
+            return lower_with(state, batch, key, with_grads=last, closing=last)
+
+        def lower_first() -> Any:
+            packed = state if packing is None else run_once(packing.pack, replicated, state)
+            return packed, lower(first, packed, shardings)
 
         try:
-            program = lower(first, state, shardings)
-        except NameError as error:
-            # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
-            # one device: bind the axis with a one-device mesh.
-            if mode != "jit" or f"unbound axis name: {DATA_AXIS}" not in str(error):
-                raise
-            mode = "shard_map"
-            lower_with = functools.partial(lower_update, update, placement, mode=mode)
-            many = functools.partial(lower_with, n_steps=steps_per_dispatch)
-            program = lower(first, state, shardings)
-        sums = program.out_info[0].metric_sums
-        if set(sums) != set(state.metric_sums):  # the loss reports metrics: carry their sums
-            zeros = {name: np.zeros((), np.float32) for name in sums}
+            try:
+                packed, program = lower_first()
+            except NameError as error:
+                # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
+                # one device: bind the axis with a one-device mesh.
+                if mode != "jit" or f"unbound axis name: {DATA_AXIS}" not in str(error):
+                    raise
+                mode = "shard_map"
+                packed, program = lower_first()
+        except LayoutChanged as changed:  # the loss reports metrics: carry their sums
+            names = changed.state.metric_sums
+            zeros = {name: np.zeros((), np.float32) for name in names}
             state = state._replace(metric_sums=placement.replicate(zeros))
             if shardings is not None:
                 shardings = shardings._replace(
-                    metric_sums={name: placement.replicated for name in sums}
+                    metric_sums={name: placement.replicated for name in names}
                 )
-            program = lower(first, state, shardings)
+            if packing is not None:
+                packing = _packing_of(state)
+            packed, program = lower_first()
+        self.packing = packing
+        r"""the layout the state travels in, or `None` (a sharded state)."""
+        # the unpacked state's shapes and layout, for the programs below
+        self._unpacked = jax.tree.map(_abstract, state)
+        state = packed
         self.state = state
         r"""the state to start from (with the metric sums the loss needs)."""
-        self._lower = functools.partial(lower_with, key=key, with_grads=True, shardings=shardings)
+        self._lower = functools.partial(
+            lower_update,
+            update,
+            placement,
+            key=key,
+            with_grads=True,
+            mode=mode,
+            shardings=shardings,
+            packing=packing,
+        )
         self._shorter: dict[Any, Callable[..., Any]] = {}
-        replicated = placement.replicated
         state_sharding = replicated if shardings is None else shardings
         close = jax.jit(
-            close_interval, donate_argnums=0, out_shardings=(state_sharding, replicated)
-        ).lower(state, state.model_params)
+            on_packed(close_interval, packing),
+            donate_argnums=0,
+            out_shardings=(state_sharding, replicated),
+        ).lower(state, self._unpacked.model_params)
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
-        abstract = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding),
-            state,
-        )
+        abstract = jax.tree.map(_abstract, state)
         names = ["last", "one"] + (["many"] if stacked is not None else [])
         later = {
             name: functools.partial(_compile, functools.partial(lower, name, abstract, shardings))
@@ -133,6 +158,7 @@ class CompiledSteps:
         self.last: Callable[..., Any]
         self.many: Callable[..., Any] | None = None
         self._close_interval: Callable[..., Any]
+        self._copy: Callable[..., Any]
         self._background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="flax_loop-compile"
         )
@@ -149,8 +175,28 @@ class CompiledSteps:
                 else:
                     setattr(self, name, _Compiling(self, name, compile))
             self._close_interval = _Compiling(self, "_close_interval", close.compile)
+            # every checkpoint copies the state
+            self._compile_later("_copy", functools.partial(self._compile_copy, placement))
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
+
+    def _compile_copy(self, placement: Placement) -> Callable[..., Any]:
+        packing = self.packing
+        if packing is None:
+            return placement.copy
+
+        def copy(packed: Any) -> TrainState:
+            # computed outputs, never the packed state's own buffers (the
+            # next step donates them)
+            return jax.tree.map(jnp.copy, packing.unpack(packed))
+
+        abstract = jax.tree.map(_abstract, self.state)
+        return jax.jit(copy, out_shardings=placement.replicated).lower(abstract).compile()
+
+    def copy(self, state: Any) -> TrainState:
+        r"""The state as a `TrainState` of fresh arrays, which outlive the
+        loop's donation of its own to the next step (a checkpoint's)."""
+        return self._copy(state)
 
     def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
         future = self._background.submit(compile)
@@ -158,7 +204,7 @@ class CompiledSteps:
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""
-        for name in ("one", "last", "many", "_close_interval"):
+        for name in ("one", "last", "many", "_close_interval", "_copy"):
             variant = getattr(self, name)
             if isinstance(variant, _Compiling):
                 variant.result()
@@ -204,3 +250,13 @@ class CompiledSteps:
             bool(finite),
             metrics,
         )
+
+
+def _packing_of(state: TrainState) -> Packing | None:
+    r"""The state's packing, or `None` if it would pack fewer than two leaves."""
+    packing = Packing(state)
+    return packing if packing.n_packed >= 2 else None
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)

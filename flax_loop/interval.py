@@ -137,8 +137,11 @@ class Intervals:
                 finite and the loop was told to raise.
         """
         n_completed = step - self.start
-        params, model_state, optimizer_state, ema_params = self._placement.copy(
-            (state.model_params, state.model_state, state.optimizer_state, state.ema_params)
+        copied = self._steps.copy(state)
+        params, model_state, optimizer_state = (
+            copied.model_params,
+            copied.model_state,
+            copied.optimizer_state,
         )
         history = self.losses.read()
         if n_completed:
@@ -159,7 +162,11 @@ class Intervals:
                 )
             grads, loss_value = self.grads, result.loss
             n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
-            train_metrics = {"loss": mean_loss, **result.metrics, **hyperparameters(state)}
+            train_metrics = {
+                "loss": mean_loss,
+                **result.metrics,
+                **hyperparameters(optimizer_state),
+            }
         else:  # stopped before any step of this interval
             previous = self._last
             n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
@@ -179,7 +186,7 @@ class Intervals:
             n_nonfinite_steps=n_nonfinite,
             train_metrics=train_metrics,
             losses=history,
-            ema_params=ema_params,
+            ema_params=copied.ema_params,
             preempted=preempted,
             rnkey=self._rnkey,
             data_state=self._feed.state(step),
@@ -187,16 +194,14 @@ class Intervals:
         return state, self._last
 
 
-def hyperparameters(state: TrainState) -> dict[str, float]:
+def hyperparameters(optimizer_state: Any) -> dict[str, float]:
     r"""The scalar hyperparameters of an `optax.inject_hyperparams` optimizer,
     as its last step used them (e.g. a schedule's `learning_rate`)."""
     found: dict[str, Any] = {}
     kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
     injected = [
         leaf
-        for leaf in jax.tree.leaves(
-            state.optimizer_state, is_leaf=lambda node: isinstance(node, kinds)
-        )
+        for leaf in jax.tree.leaves(optimizer_state, is_leaf=lambda node: isinstance(node, kinds))
         if isinstance(leaf, kinds)
     ]
     for injected_state in injected:

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.batch import Batch
 from flax_loop.model import call_apply, split_loss
+from flax_loop.packing import LayoutChanged, Packing, on_packed
 from flax_loop.parallel import DATA_AXIS, Placement
 from flax_loop.random import step_keys
 from flax_loop.state import (
@@ -209,6 +210,7 @@ def lower_update(
     mode: str = "jit",
     shardings: TrainState | None = None,
     closing: bool = False,
+    packing: Packing | None = None,
 ) -> jax.stages.Lowered:
     r"""Lowers the update for the placement, donating the state: the program
     to compile (tracing errors of the model or the loss are raised here).
@@ -233,17 +235,30 @@ def lower_update(
         closing: (with `with_grads`) the interval's last step: it also closes
             the interval (`close_interval`: its statistics, its sums reset),
             in the same program, so a checkpoint costs no further dispatch.
+        packing: the layout the state is packed in (`state` is then the
+            packed state, taken and returned so), or `None`.
 
     Returns:
         the lowered `update(state, batch, key) -> (state, loss)`, or
         `-> (state, loss, grads)` with `with_grads`, `-> (state, loss, grads,
         statistics)` with `closing` too; compiled, it accepts only arrays of
         these shapes.
-    """
-    stacked = n_steps > 1
-    one_step = update
 
-    def steps(state: TrainState, batches: Batch, key: jax.Array) -> Any:
+    Raises:
+        LayoutChanged: (while tracing) if the step returns a state of another
+            structure than `state` (sums of metrics the loss reports): lower
+            again from a state that has them.
+    """
+    assert packing is None or mode != "gspmd", "a sharded state is never packed"
+    stacked = n_steps > 1
+
+    def one_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
+        new_state, outputs = update(state, batch, key)
+        if jax.tree.structure(new_state) != jax.tree.structure(state):  # type: ignore[operator]
+            raise LayoutChanged(new_state)
+        return new_state, outputs
+
+    def unpacked_steps(state: TrainState, batches: Batch, key: jax.Array) -> Any:
         if stacked:
 
             def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
@@ -257,6 +272,7 @@ def lower_update(
             return state, loss, grads, statistics
         return (state, loss, grads) if with_grads else (state, loss)
 
+    steps = on_packed(unpacked_steps, packing)
     replicated = placement.replicated
     if mode == "shard_map":
         # check_vma=False keeps pmap's semantics: per-device gradients, then an

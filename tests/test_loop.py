@@ -88,11 +88,10 @@ def _bn_dropout_loop(rnkey, n_devices=4):
 
 def test_batchnorm_stats_and_dropout_keys():
     loop = _bn_dropout_loop(jax.random.key(7))
-    initial_stats = jax.tree.map(np.asarray, loop._state.model_state)
     (first,) = list(loop)
     stats = first.model_state["batch_stats"]
     mean = stats["BatchNorm_0"]["mean"]
-    assert not np.allclose(mean, initial_stats["batch_stats"]["BatchNorm_0"]["mean"])
+    assert not np.allclose(mean, 0.0)  # BatchNorm's running mean starts at zeros
     # Averaged over devices: every device holds the same running statistics.
     shards = [np.asarray(shard.data) for shard in mean.addressable_shards]
     assert len(shards) == 4

@@ -1,0 +1,117 @@
+"""The state travels between steps packed into a few flat arrays, and computes the same."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import flax_loop.compiled
+from flax_loop.packing import LayoutChanged, Packing
+from tests.helpers import MLP, BatchNormDropoutNet, digits_loop
+
+
+def test_pack_then_unpack_gives_back_every_leaf_exactly():
+    state = {
+        "kernel": jnp.arange(12.0).reshape(3, 4),
+        "bias": jnp.full(4, -0.5, jnp.bfloat16),
+        "count": jnp.asarray(7, jnp.int32),
+        "scale": jnp.asarray([1.5, 2.5], jnp.bfloat16),
+        "seen": jnp.asarray([True, False]),
+        "big": jnp.ones((64, 65)),  # 16,640 bytes: beyond MAX_LEAF_BYTES
+        "weak": jnp.asarray(0.25),  # a Python float's weak type
+        "key": jax.random.key(1),  # an extended dtype
+    }
+    packing = Packing(state)
+    flats, kept = packing.pack(state)
+    # kernel | bias + scale | count | seen: one flat array per dtype
+    assert sorted((str(a.dtype), a.shape) for a in flats) == [
+        ("bfloat16", (6,)),
+        ("bool", (2,)),
+        ("float32", (12,)),
+        ("int32", (1,)),
+    ]
+    assert packing.n_packed == 5 and len(kept) == 3
+    back = packing.unpack((flats, kept))
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    for name, leaf in state.items():
+        if name == "key":
+            assert jnp.array_equal(jax.random.key_data(back[name]), jax.random.key_data(leaf))
+            continue
+        assert back[name].dtype == leaf.dtype and back[name].shape == leaf.shape, name
+        assert np.array_equal(np.asarray(back[name]), np.asarray(leaf)), name
+    assert back["weak"].weak_type
+
+
+def test_a_step_that_returns_another_structure_is_reported():
+    packing = Packing({"a": jnp.ones(2), "b": jnp.ones(3)})
+    with pytest.raises(LayoutChanged):
+        packing.pack({"a": jnp.ones(2), "b": jnp.ones(3), "c": jnp.ones(1)})
+
+
+def _final(monkeypatch, packed, **options):
+    if not packed:
+        monkeypatch.setattr(flax_loop.compiled, "_packing_of", lambda state: None)
+    loop = digits_loop(
+        BatchNormDropoutNet(),
+        collections={"apply": ["dropout"]},
+        n_steps=12,
+        **options,
+    )
+    checkpoints = list(loop)
+    monkeypatch.undo()
+    last = checkpoints[-1]
+    leaves = jax.device_get((last.model_params, last.model_state, last.optimizer_state))
+    return loop, checkpoints, [np.asarray(leaf) for leaf in jax.tree.leaves(leaves)]
+
+
+@pytest.mark.parametrize(
+    "n_devices, options",
+    [
+        (1, {"n_steps_per_checkpoint": 5}),
+        (1, {"n_steps_per_checkpoint": 12, "steps_per_dispatch": 4, "ema_decay": 0.9}),
+        (4, {"n_steps_per_checkpoint": 3}),
+    ],
+)
+def test_packed_state_trains_bitwise_as_the_unpacked(monkeypatch, n_devices, options):
+    loop, checkpoints, packed = _final(monkeypatch, True, n_devices=n_devices, **options)
+    assert loop._steps.packing is not None
+    # every leaf of this small net is packed: one array of each dtype a call
+    assert len(jax.tree.leaves(loop._steps.state)) == 2
+    unpacked_loop, unpacked_checkpoints, unpacked = _final(
+        monkeypatch, False, n_devices=n_devices, **options
+    )
+    assert unpacked_loop._steps.packing is None
+    assert len(packed) == len(unpacked) > 10
+    assert all(np.array_equal(a, b) for a, b in zip(packed, unpacked))
+    np.testing.assert_array_equal(
+        np.concatenate([c.losses for c in checkpoints]),
+        np.concatenate([c.losses for c in unpacked_checkpoints]),
+    )
+    if "ema_decay" in options:
+        for a, b in zip(
+            jax.tree.leaves(checkpoints[-1].ema_params),
+            jax.tree.leaves(unpacked_checkpoints[-1].ema_params),
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoints_keep_their_values_while_the_loop_trains_on():
+    loop = digits_loop(n_steps=6, n_steps_per_checkpoint=2)
+    checkpoints = list(loop)
+    seen = [np.asarray(jax.tree.leaves(c.model_params)[0]).copy() for c in checkpoints]
+    # the loop donated its packed state to the later steps: the checkpoints'
+    # arrays are their own
+    for checkpoint, values in zip(checkpoints, seen):
+        leaf = jax.tree.leaves(checkpoint.model_params)[0]
+        assert not leaf.is_deleted()
+        np.testing.assert_array_equal(np.asarray(leaf), values)
+    assert not np.array_equal(seen[0], seen[-1])
+
+
+def test_a_large_leaf_travels_as_it_is():
+    loop = digits_loop(MLP(features=(128,)), optimizer=optax.sgd(0.1), n_steps=2)
+    list(loop)
+    # the 64x128 kernel (32 KB) is not packed; its bias and the rest are
+    _, kept = loop._steps.state
+    assert [leaf.shape for leaf in kept] == [(64, 128)]
