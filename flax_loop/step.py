@@ -258,21 +258,24 @@ def lower_update(
             raise LayoutChanged(new_state)
         return new_state, outputs
 
-    def unpacked_steps(state: TrainState, batches: Batch, key: jax.Array) -> Any:
-        if stacked:
+    def scanned_steps(state: Any, batches: Batch, key: jax.Array) -> Any:
+        def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
+            state, (loss, _) = one_step(state, batch, key)
+            return state, loss
 
-            def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
-                state, (loss, _) = one_step(state, batch, key)
-                return state, loss
+        # The scan carries the state packed, as the single step does: the
+        # slices and the concatenation then fuse into the update's own loops
+        # (unpacked before the scan, they were copies of their own each call).
+        return jax.lax.scan(on_packed(body, packing), state, batches)  # every step's loss
 
-            return jax.lax.scan(body, state, batches)  # every step's loss
-        state, (loss, grads) = one_step(state, batches, key)
+    def single_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
+        state, (loss, grads) = one_step(state, batch, key)
         if closing:
             state, statistics = close_interval(state, grads)
             return state, loss, grads, statistics
         return (state, loss, grads) if with_grads else (state, loss)
 
-    steps = on_packed(unpacked_steps, packing)
+    steps = scanned_steps if stacked else on_packed(single_step, packing)
     replicated = placement.replicated
     if mode == "shard_map":
         # check_vma=False keeps pmap's semantics: per-device gradients, then an
