@@ -161,3 +161,58 @@ def test_a_re_iterable_source_with_a_short_last_batch_runs_epoch_after_epoch():
     checkpoints = list(loop)
     assert [c.step for c in checkpoints] == [3, 6, 7]
     assert checkpoints[-1].data_state == {"flax_loop/epoch": {"epoch": 2, "batches": 1}}
+
+
+def _grouped_run(data, steps_per_dispatch, n_steps=14):
+    model = MLP()
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data),
+        rnkey=jax.random.key(0),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=n_steps,
+        stdout=False,
+        steps_per_dispatch=steps_per_dispatch,
+        prefetch=0,  # inline from the first read: groups read by the feed's tight loop
+    )
+    return loop, list(loop)
+
+
+def test_a_group_of_steps_reads_any_batch_as_single_steps_do():
+    # an epoch of five batches in three forms and a shorter last one: the
+    # group reader takes the plain (x, y) quickly, the others through the checks
+    sizes = [32, 32, 32, 32, 32, 16]
+    starts = np.cumsum([0, *sizes])
+    epoch = []
+    for index, (start, size) in enumerate(zip(starts, sizes)):
+        xs, ys = X_TRAIN[start : start + size], Y_TRAIN[start : start + size]
+        forms = [(xs, ys), [xs, ys], ((xs,), (ys,)), (xs.astype(np.float64), ys)]
+        epoch.append(forms[index % len(forms)])
+    single_loop, single = _grouped_run(epoch, 1)
+    grouped_loop, grouped = _grouped_run(epoch, 4)
+    assert [c.step for c in grouped] == [c.step for c in single] == [14]
+    assert relative_difference(grouped[-1].model_params, single[-1].model_params) < 1e-6
+    np.testing.assert_allclose(grouped[-1].losses, single[-1].losses, rtol=1e-6)
+    assert grouped[-1].data_state == single[-1].data_state
+    assert single[-1].data_state == {"flax_loop/epoch": {"epoch": 2, "batches": 2}}
+
+
+def test_a_group_of_steps_stops_where_a_one_shot_stream_ends():
+    stream = itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 10)
+    loop, checkpoints = _grouped_run(stream, 4)
+    assert [c.step for c in checkpoints] == [10] and loop.step == 10
+
+
+def test_a_group_of_steps_names_the_step_of_a_bad_or_failing_batch():
+    good = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 12))
+    wrong = good[:6] + [(X_TRAIN[:32, :10], Y_TRAIN[:32])] + good[6:]
+    with pytest.raises(BatchError, match=r"step 7"):
+        _grouped_run(iter(wrong), 4)
+
+    def failing():
+        yield from good[:9]
+        raise OSError("the disk went away")
+
+    with pytest.raises(OSError) as raised:
+        _grouped_run(failing(), 4)
+    assert any("step 10" in note for note in raised.value.__notes__)
