@@ -7,9 +7,10 @@ has dozens of leaves (a kernel and a bias per layer, and their two Adam
 moments), which make most of its step. So the leaves of a replicated state
 of at most `MAX_LEAF_BYTES` each travel between steps concatenated, one flat
 array per dtype; inside the compiled step they are slices of it again
-(`Packing.unpack`), and what the step computes is unchanged (the MLP
-64-32-10's parameters bitwise, in tests/test_packing.py). Larger leaves
-travel as they are: concatenating them would cost each step a copy.
+(`Packing.unpack`), and what the step computes is unchanged (a BatchNorm
+and Dropout net's parameters bit for bit, tests/test_packing.py). Larger
+leaves travel as they are: concatenating them would cost each step a copy
+(an MLP 784-512-512-10 packed whole ran at 0.70 of its unpacked speed).
 
 >>> state = {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3), "count": jnp.zeros((), jnp.int32)}
 >>> packing = Packing(state)
