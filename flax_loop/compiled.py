@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_loop.batch import Batch
-from flax_loop.initial import run_once
+from flax_loop.initial import run_once, run_once_options
 from flax_loop.packing import LayoutChanged, Packing, on_packed
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.state import IntervalResult, IntervalStatistics, TrainState, close_interval
@@ -191,7 +191,9 @@ class CompiledSteps:
             return jax.tree.map(jnp.copy, packing.unpack(packed))
 
         abstract = jax.tree.map(_abstract, self.state)
-        return jax.jit(copy, out_shardings=placement.replicated).lower(abstract).compile()
+        # slices and copies: compiled as the initial state is, for a short compilation
+        copying = jax.jit(copy, out_shardings=placement.replicated).lower(abstract)
+        return copying.compile(run_once_options())
 
     def copy(self, state: Any) -> TrainState:
         r"""The state as a `TrainState` of fresh arrays, which outlive the
