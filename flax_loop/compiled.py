@@ -19,7 +19,7 @@ import numpy as np
 
 from flax_loop.batch import Batch
 from flax_loop.initial import run_once, run_once_options
-from flax_loop.packing import LayoutChanged, Packing, on_packed
+from flax_loop.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
 from flax_loop.state import IntervalResult, IntervalStatistics, TrainState, close_interval
 from flax_loop.step import Update, lower_update
@@ -255,7 +255,10 @@ class CompiledSteps:
 
 
 def _packing_of(state: TrainState) -> Packing | None:
-    r"""The state's packing, or `None` if it would pack fewer than two leaves."""
+    r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
+    or one with fewer than two leaves to pack."""
+    if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) > MAX_STATE_BYTES:
+        return None
     packing = Packing(state)
     return packing if packing.n_packed >= 2 else None
 

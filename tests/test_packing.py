@@ -115,3 +115,14 @@ def test_a_large_leaf_travels_as_it_is():
     # the 64x128 kernel (32 KB) is not packed; its bias and the rest are
     _, kept = loop._steps.state
     assert [leaf.shape for leaf in kept] == [(64, 128)]
+
+
+def test_a_large_state_travels_unpacked():
+    from flax_loop.packing import MAX_STATE_BYTES
+
+    loop = digits_loop(MLP(features=(2048,)), n_steps=2)  # Adam: ~1.8 MB of state
+    *_, checkpoint = list(loop)
+    assert loop._steps.packing is None
+    state_bytes = 3 * sum(leaf.nbytes for leaf in jax.tree.leaves(checkpoint.model_params))
+    assert state_bytes > MAX_STATE_BYTES
+    assert np.isfinite(checkpoint.loss)
