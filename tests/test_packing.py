@@ -68,7 +68,6 @@ def _final(monkeypatch, packed, **options):
 @pytest.mark.parametrize(
     "n_devices, options",
     [
-        (1, {"n_steps_per_checkpoint": 5}),
         (1, {"n_steps_per_checkpoint": 12, "steps_per_dispatch": 4, "ema_decay": 0.9}),
         (4, {"n_steps_per_checkpoint": 3}),
     ],
