@@ -183,21 +183,22 @@ class CompiledSteps:
     def _compile_copy(self, placement: Placement) -> Callable[..., Any]:
         packing = self.packing
         if packing is None:
-            return placement.copy
+            return lambda state: placement.copy(_kept(state))
 
-        def copy(packed: Any) -> TrainState:
+        def copy(packed: Any) -> tuple[Any, Any, Any, Any]:
             # computed outputs, never the packed state's own buffers (the
             # next step donates them)
-            return jax.tree.map(jnp.copy, packing.unpack(packed))
+            return jax.tree.map(jnp.copy, _kept(packing.unpack(packed)))
 
         abstract = jax.tree.map(_abstract, self.state)
         # slices and copies: compiled as the initial state is, for a short compilation
         copying = jax.jit(copy, out_shardings=placement.replicated).lower(abstract)
         return copying.compile(run_once_options())
 
-    def copy(self, state: Any) -> TrainState:
-        r"""The state as a `TrainState` of fresh arrays, which outlive the
-        loop's donation of its own to the next step (a checkpoint's)."""
+    def copy(self, state: Any) -> tuple[Any, Any, Any, Any]:
+        r"""`(model_params, model_state, optimizer_state, ema_params)` of the
+        state as fresh arrays, which outlive the loop's donation of its own to
+        the next step (a checkpoint's)."""
         return self._copy(state)
 
     def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
@@ -261,6 +262,11 @@ def _packing_of(state: TrainState) -> Packing | None:
         return None
     packing = Packing(state)
     return packing if packing.n_packed >= 2 else None
+
+
+def _kept(state: TrainState) -> tuple[Any, Any, Any, Any]:
+    r"""What a checkpoint keeps of the state."""
+    return state.model_params, state.model_state, state.optimizer_state, state.ema_params
 
 
 def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:

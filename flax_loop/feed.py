@@ -175,30 +175,8 @@ class BatchFeed:
         return self._place(batch), 1, last, batch[0][0].shape[0] != self._size
 
     def _fill(self, count: int, next_step: int) -> None:
-        r"""Reads until `count` batches are ahead (or the stream ends)."""
-        ahead = self._ahead
-        if self._threaded or self._probe is not None:
-            while len(ahead) < count and not self.exhausted:
-                self._read_ahead(next_step + len(ahead))
-            return
-        # Inline, several steps a dispatch: the common batch in a tight loop
-        # (32 small batches read in 60% of the time `_read_ahead` takes for
-        # them), any other through `_checked`.
-        next_raw, fast_path, append = self._source.next, self.spec.fast_path, ahead.append
-        while len(ahead) < count and not self.exhausted:
-            try:
-                raw = next_raw()
-            except Exception as error:
-                self._source_stopped(error, next_step + len(ahead))
-                self.exhausted = True
-                return
-            batch = fast_path(raw)
-            if batch is None:
-                batch = self._checked(raw, next_step + len(ahead))
-                if batch is None:
-                    self.exhausted = True
-                    return
-            append((batch, None))
+        while len(self._ahead) < count and not self.exhausted:
+            self._read_ahead(next_step + len(self._ahead))
 
     def _read_ahead(self, for_step: int) -> None:
         if self._threaded:
@@ -281,30 +259,20 @@ class BatchFeed:
         r"""The batch for `for_step`, normalized and validated; `None` at the end."""
         try:
             raw = self._source.next()
-        except Exception as error:
-            self._source_stopped(error, for_step)
+        except StopIteration:
+            if self._placement.multiprocess:
+                raise DataExhaustedError(
+                    f"The data stream of process {jax.process_index()} ended before step "
+                    f"{for_step}. With several processes every stream must yield a batch "
+                    "for every step, so that all take the same steps: give each process "
+                    "an endless or re-iterable source and stop with n_steps."
+                ) from None
             return None
-        return self._checked(raw, for_step)
-
-    def _source_stopped(self, error: Exception, for_step: int) -> None:
-        r"""Returns at the stream's end; raises the source's error (noting the
-        step), or, with several processes, that a stream ended early."""
-        if not isinstance(error, StopIteration):
+        except Exception as error:
             error.add_note(
                 f"flax_loop: raised by task.data while reading the batch for step {for_step}"
             )
-            raise error
-        if self._placement.multiprocess:
-            raise DataExhaustedError(
-                f"The data stream of process {jax.process_index()} ended before step "
-                f"{for_step}. With several processes every stream must yield a batch "
-                "for every step, so that all take the same steps: give each process "
-                "an endless or re-iterable source and stop with n_steps."
-            ) from None
-
-    def _checked(self, raw: Any, for_step: int) -> Batch | None:
-        r"""A raw batch normalized and validated; `None` if it is the stream's
-        shorter last batch and dropped (at the stream's end)."""
+            raise
         spec = self._spec
         if spec is not None:
             fast = spec.fast_path(raw)

@@ -137,12 +137,7 @@ class Intervals:
                 finite and the loop was told to raise.
         """
         n_completed = step - self.start
-        copied = self._steps.copy(state)
-        params, model_state, optimizer_state = (
-            copied.model_params,
-            copied.model_state,
-            copied.optimizer_state,
-        )
+        params, model_state, optimizer_state, ema_params = self._steps.copy(state)
         history = self.losses.read()
         if n_completed:
             statistics, self.statistics = self.statistics, None
@@ -186,7 +181,7 @@ class Intervals:
             n_nonfinite_steps=n_nonfinite,
             train_metrics=train_metrics,
             losses=history,
-            ema_params=copied.ema_params,
+            ema_params=ema_params,
             preempted=preempted,
             rnkey=self._rnkey,
             data_state=self._feed.state(step),

@@ -173,7 +173,7 @@ def _grouped_run(data, steps_per_dispatch, n_steps=14):
         n_steps_per_checkpoint=n_steps,
         stdout=False,
         steps_per_dispatch=steps_per_dispatch,
-        prefetch=0,  # inline from the first read: groups read by the feed's tight loop
+        prefetch=0,  # inline from the first read
     )
     return loop, list(loop)
 
