@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flax_loop.batch import Batch
@@ -186,9 +185,9 @@ class CompiledSteps:
             return lambda state: placement.copy(_kept(state))
 
         def copy(packed: Any) -> tuple[Any, Any, Any, Any]:
-            # computed outputs, never the packed state's own buffers (the
-            # next step donates them)
-            return jax.tree.map(jnp.copy, _kept(packing.unpack(packed)))
+            # a compiled program's outputs are buffers of its own (its input is
+            # not donated), which the next step's donation leaves alone
+            return _kept(packing.unpack(packed))
 
         abstract = jax.tree.map(_abstract, self.state)
         # slices and copies: compiled as the initial state is, for a short compilation
