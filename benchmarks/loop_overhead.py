@@ -190,9 +190,14 @@ def hand_written_scan(model, optimizer, batches, steps_per_call, stack=True):
 
     many = jax.jit(lambda state, xs, ys: jax.lax.scan(update, state, (xs, ys)), donate_argnums=0)
 
-    def group_of(stream):
+    def group_of(stream):  # the fastest plain stacking: one concatenate per leaf
         group = [next(stream) for _ in range(steps_per_call)]
-        return tuple(np.stack([batch[k] for batch in group]) for k in (0, 1))
+        return tuple(
+            np.concatenate([batch[k] for batch in group]).reshape(
+                steps_per_call, *group[0][k].shape
+            )
+            for k in (0, 1)
+        )
 
     stacked = itertools.cycle(batches)
     groups = [group_of(stacked) for _ in range(max(len(batches) // steps_per_call, 1))]

@@ -2,10 +2,11 @@ r"""The update compiled in the variants a loop dispatches, and when each compile
 
 A loop dispatches a step, the last step of an interval (which also returns
 its gradients and closes the interval), and, with `steps_per_dispatch > 1`,
-several steps in one call; a stream's shorter last batch gets a step of
-its own size. Set-up compiles the one the first dispatch needs; the others
-the cadence calls compile on a background thread while training starts;
-the rest only when first called (`CompiledSteps`).
+several steps in one call, and the interval's last steps in one call that
+also closes it; a stream's shorter last batch gets a step of its own size.
+Set-up compiles the one the first dispatch needs; the others the cadence
+calls compile on a background thread while training starts; the rest only
+when first called (`CompiledSteps`).
 """
 
 import concurrent.futures
@@ -52,8 +53,10 @@ class _Compiling:
 class CompiledSteps:
     r"""The update compiled in the variants a loop dispatches.
 
-    A step; the last step of an interval, which also returns its gradients;
-    and, with `steps_per_dispatch > 1`, that many steps in one call. The
+    A step (`one`); the last step of an interval, which also returns its
+    gradients and closes the interval (`last`); with `steps_per_dispatch >
+    1`, that many steps in one call (`many`), and the steps that end an
+    interval in one call that closes it as `last` does (`many_last`). The
     variants the loop's cadence calls are `needed`, the first dispatch's
     first: it is traced and compiled at set-up (a model's or loss's error is
     raised there); the other needed ones are traced and compiled on a
@@ -75,6 +78,7 @@ class CompiledSteps:
         steps_per_dispatch: int,
         shardings: TrainState | None = None,
         needed: Sequence[str] = ("one", "last"),
+        closing: Batch | None = None,
     ) -> None:
         first = needed[0]
         if shardings is not None:
@@ -92,6 +96,12 @@ class CompiledSteps:
             if name == "many":
                 assert stacked is not None
                 return lower_with(state, stacked, key, n_steps=steps_per_dispatch)
+            if name == "many_last":
+                assert closing is not None
+                n_steps = jax.tree.leaves(closing)[0].shape[0]
+                return lower_with(
+                    state, closing, key, n_steps=n_steps, with_grads=True, closing=True
+                )
             last = name == "last"  # it closes the interval too
             return lower_with(state, batch, key, with_grads=last, closing=last)
 
@@ -148,6 +158,7 @@ class CompiledSteps:
         # state's shapes and layout (the state itself is donated meanwhile).
         abstract = jax.tree.map(_abstract, state)
         names = ["last", "one"] + (["many"] if stacked is not None else [])
+        names += ["many_last"] if closing is not None else []
         later = {
             name: functools.partial(_compile, functools.partial(lower, name, abstract, shardings))
             for name in names
@@ -156,6 +167,7 @@ class CompiledSteps:
         self.one: Callable[..., Any]
         self.last: Callable[..., Any]
         self.many: Callable[..., Any] | None = None
+        self.many_last: Callable[..., Any] | None = None
         self._close_interval: Callable[..., Any]
         self._copy: Callable[..., Any]
         self._background = concurrent.futures.ThreadPoolExecutor(
@@ -206,7 +218,7 @@ class CompiledSteps:
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""
-        for name in ("one", "last", "many", "_close_interval", "_copy"):
+        for name in ("one", "last", "many", "many_last", "_close_interval", "_copy"):
             variant = getattr(self, name)
             if isinstance(variant, _Compiling):
                 variant.result()

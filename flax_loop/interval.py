@@ -43,22 +43,23 @@ class LossHistory:
     >>> history = LossHistory()
     >>> for value in range(70):
     ...     history.append(jnp.float32(value))
-    >>> history.extend(jnp.arange(70.0, 72.0))
-    >>> history.read()[[0, 63, 64, 69, 71]]
-    array([ 0., 63., 64., 69., 71.], dtype=float32)
+    >>> history.extend(jnp.arange(70.0, 74.0))
+    >>> history.extend(jnp.arange(74.0, 76.0))
+    >>> history.read()[[0, 63, 64, 69, 71, 75]]
+    array([ 0., 63., 64., 69., 71., 75.], dtype=float32)
     """
 
     def __init__(self) -> None:
         # (device array, how many of its rows count; None: all of it)
         self._parts: list[tuple[Any, int | None]] = []
         self._pending: list[jax.Array] = []  # losses of one shape, not stacked yet
-        self._vectors = False  # whether they are vectors (several steps each)
+        self._shape: tuple[int, ...] = ()  # theirs: () or (steps a dispatch,)
 
     def append(self, loss: jax.Array) -> None:
         r"""Notes one step's loss (a scalar)."""
-        if self._vectors:
+        if self._shape:
             self._stack_pending()
-            self._vectors = False
+            self._shape = ()
         pending = self._pending
         pending.append(loss)
         if len(pending) == CHUNK:
@@ -66,9 +67,9 @@ class LossHistory:
 
     def extend(self, losses: jax.Array) -> None:
         r"""Notes one dispatch's losses of several steps (a vector)."""
-        if not self._vectors:
+        if losses.shape != self._shape:  # (the group that ends an interval may be shorter)
             self._stack_pending()
-            self._vectors = True
+            self._shape = losses.shape
         self._pending.append(losses)
         if len(self._pending) == CHUNK:
             self._stack_pending()

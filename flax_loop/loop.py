@@ -113,7 +113,9 @@ class TrainLoop:
             SIGINT with the default, None; `()` to disable).
         steps_per_dispatch: steps per compiled call (a `jax.lax.scan` over
             stacked batches), for models so small that dispatching a step
-            costs more than computing it. Checkpoints keep their steps.
+            costs more than computing it. Checkpoints keep their steps: an
+            interval's last steps (what remains of `n_steps_per_checkpoint`
+            after whole dispatches) run in one call that also closes it.
         sharding: where the parameters and optimizer state live:
             "replicated" (every device holds them), "fsdp" (leaves of at
             least `fsdp_min_bytes` split along their largest dimension the
@@ -208,7 +210,13 @@ class TrainLoop:
             if prefetch is not None:
                 prefetch = check_count("prefetch", prefetch, 0)
             self._placement = placement = Placement(devices, mesh)
-            self._feed = BatchFeed(task.data, placement, steps_per_dispatch, prefetch)
+            self._feed = BatchFeed(
+                task.data,
+                placement,
+                steps_per_dispatch,
+                prefetch,
+                closing_steps=_closing_steps(self._n_steps_per_checkpoint, steps_per_dispatch),
+            )
             inputs = (
                 self._feed.sample[0]
                 if input_sample is None
@@ -260,11 +268,16 @@ class TrainLoop:
                 shards=None if shardings is None else placement.batch_sharding,
                 ema_decay=ema_decay,
             )
-            batch, stacked = self._feed.samples()
+            batch, stacked, closing = self._feed.samples()
             # The variants the cadence calls, the first dispatch's first: a
-            # checkpoint every step calls only the interval's last step.
+            # checkpoint every step calls only the interval's last step; with
+            # several steps a dispatch, an interval ends with a group that
+            # closes it, if its last dispatch has several steps. The single
+            # steps end intervals cut short (a stop, a resumed or a shorter run).
             every = self._n_steps_per_checkpoint
             needed = ["last"] if every == 1 else ["one", "last"]
+            if closing is not None:
+                needed.insert(0, "many_last")
             if stacked is not None and every > steps_per_dispatch:
                 needed.insert(0, "many")
             self._steps = CompiledSteps(
@@ -277,6 +290,7 @@ class TrainLoop:
                 steps_per_dispatch,
                 shardings,
                 needed,
+                closing,
             )
             self._state = self._steps.state
             self._intervals = Intervals(
@@ -447,7 +461,12 @@ class TrainLoop:
                 if last:
                     intervals.grads = grads
             elif n_steps > 1:
-                self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
+                if last:  # the interval's last steps, which close it too
+                    self._state, loss, intervals.grads, intervals.statistics = steps.many_last(
+                        self._state, batch, key
+                    )  # type: ignore[misc]
+                else:
+                    self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
             elif last:  # it closes the interval too: its statistics come back
                 self._state, loss, intervals.grads, intervals.statistics = steps.last(
                     self._state, batch, key
@@ -478,3 +497,17 @@ class TrainLoop:
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
+
+
+def _closing_steps(every: int, steps_per_dispatch: int) -> int:
+    r"""The steps of the dispatch that ends an interval of `every` steps (the
+    ones before it dispatch `steps_per_dispatch` steps each), if several;
+    else 0 (a single last step).
+
+    >>> _closing_steps(100, 32), _closing_steps(96, 32), _closing_steps(97, 32)
+    (4, 32, 0)
+    """
+    if steps_per_dispatch == 1:
+        return 0
+    tail = every - steps_per_dispatch * ((every - 1) // steps_per_dispatch)
+    return tail if tail > 1 else 0

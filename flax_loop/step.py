@@ -224,7 +224,8 @@ def lower_update(
         key: the replicated key.
         n_steps: steps per call; more than one runs them in a `jax.lax.scan`
             over the stacked batches, returning every step's loss.
-        with_grads: whether the call also returns the (last step's) gradients.
+        with_grads: whether the call also returns the (last step's) gradients
+            (with `n_steps > 1`, only with `closing`).
         mode: how the update runs over the devices: `"jit"` (one device, no
             collectives; `shard_map` costs ~11% there), `"shard_map"` (a
             replicated state: the per-device update runs on every device,
@@ -235,14 +236,17 @@ def lower_update(
         closing: (with `with_grads`) the interval's last step: it also closes
             the interval (`close_interval`: its statistics, its sums reset),
             in the same program, so a checkpoint costs no further dispatch.
+            With `n_steps > 1`, the scan runs all steps but the last, which
+            runs as the single closing step does.
         packing: the layout the state is packed in (`state` is then the
             packed state, taken and returned so), or `None`.
 
     Returns:
         the lowered `update(state, batch, key) -> (state, loss)`, or
         `-> (state, loss, grads)` with `with_grads`, `-> (state, loss, grads,
-        statistics)` with `closing` too; compiled, it accepts only arrays of
-        these shapes.
+        statistics)` with `closing` too (`loss` the vector of every step's
+        loss with `n_steps > 1`); compiled, it accepts only arrays of these
+        shapes.
 
     Raises:
         LayoutChanged: (while tracing) if the step returns a state of another
@@ -251,6 +255,7 @@ def lower_update(
     """
     assert packing is None or mode != "gspmd", "a sharded state is never packed"
     stacked = n_steps > 1
+    assert not stacked or with_grads == closing, "several steps return gradients only to close"
 
     def one_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
         new_state, outputs = update(state, batch, key)
@@ -275,7 +280,24 @@ def lower_update(
             return state, loss, grads, statistics
         return (state, loss, grads) if with_grads else (state, loss)
 
-    steps = scanned_steps if stacked else on_packed(single_step, packing)
+    def closing_steps(state: Any, batches: Batch, key: jax.Array) -> Any:
+        # The interval's last step computes what it computes alone (its
+        # gradients materialized as in every step), after a scan of the others.
+        head, tail = (
+            jax.tree.map(lambda leaf: leaf[:-1], batches),
+            jax.tree.map(lambda leaf: leaf[-1], batches),
+        )
+        barrier = jax.lax.optimization_barrier
+        state, head = barrier((state, head))
+        state, losses = scanned_steps(state, head, key)
+        state, tail = barrier((state, tail))
+        state, loss, grads, statistics = on_packed(single_step, packing)(state, tail, key)
+        return state, jnp.concatenate([losses, loss[None]]), grads, statistics
+
+    if stacked:
+        steps = closing_steps if closing else scanned_steps
+    else:
+        steps = on_packed(single_step, packing)
     replicated = placement.replicated
     if mode == "shard_map":
         # check_vma=False keeps pmap's semantics: per-device gradients, then an
@@ -295,7 +317,7 @@ def lower_update(
     else:
         batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
         outputs = (shardings, replicated, shardings.model_params, replicated)
-        n_outputs = 2 if stacked or not with_grads else 4 if closing else 3
+        n_outputs = 4 if closing else 3 if with_grads else 2
         jitted = jax.jit(
             steps,
             donate_argnums=0,

@@ -15,6 +15,7 @@ from flax_loop.errors import DataExhaustedError
 from tests.helpers import (
     MLP,
     BatchNormDropoutNet,
+    ResumableBatches,
     accuracy,
     batches,
     cross_entropy,
@@ -357,6 +358,55 @@ def test_several_steps_per_dispatch_match_single_steps(n_devices):
         assert relative_difference(b.model_state, a.model_state) < 1e-6
         assert b.loss == pytest.approx(a.loss, rel=1e-6)
         assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_an_interval_ends_with_one_dispatch_of_its_last_steps(n_devices):
+    # Intervals of 6 steps at 4 a dispatch: 4, then the last 2 in one call that
+    # closes the interval (no single steps); the run's last interval of 2 too.
+    model = BatchNormDropoutNet()
+
+    def run(steps_per_dispatch):
+        loop = TrainLoop(
+            init=model.init,
+            task=TrainTask(
+                model.apply, optax.adam(1e-2), cross_entropy, ResumableBatches(X_TRAIN, Y_TRAIN, 32)
+            ),
+            rnkey=jax.random.key(3),
+            n_steps=14,
+            n_steps_per_checkpoint=6,
+            collections={"apply": ["dropout"]},
+            devices=jax.devices()[:n_devices],
+            stdout=False,
+            steps_per_dispatch=steps_per_dispatch,
+            prefetch=0,
+        )
+        loop._steps.wait()  # every variant compiled: count the calls of each
+        calls = {}
+        for name in ("one", "last", "many", "many_last"):
+            variant = getattr(loop._steps, name)
+            if variant is not None:
+                calls[name] = 0
+
+                def counted(*args, variant=variant, name=name):
+                    calls[name] += 1
+                    return variant(*args)
+
+                setattr(loop._steps, name, counted)
+        return list(loop), calls
+
+    (single, _), (grouped, calls) = run(1), run(4)
+    assert calls == {"one": 0, "last": 0, "many": 2, "many_last": 3}
+    assert [c.step for c in grouped] == [6, 12, 14]
+    assert [c.data_state for c in grouped] == [{"position": p} for p in (6, 12, 14)]
+    for a, b in zip(single, grouped):
+        assert relative_difference(b.model_params, a.model_params) < 1e-6
+        assert relative_difference(b.model_state, a.model_state) < 1e-6
+        assert relative_difference(b.grads, a.grads) < 1e-5
+        np.testing.assert_allclose(b.losses, a.losses, rtol=1e-6)
+        assert b.loss == pytest.approx(a.loss, rel=1e-6)
+        assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-6)
+        assert (b.n_completed_steps, b.n_nonfinite_steps) == (a.n_completed_steps, 0)
 
 
 @pytest.mark.parametrize("n_devices", [1, 4])
