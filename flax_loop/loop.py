@@ -270,16 +270,18 @@ class TrainLoop:
             )
             batch, stacked, closing = self._feed.samples()
             # The variants the cadence calls, the first dispatch's first: a
-            # checkpoint every step calls only the interval's last step; with
-            # several steps a dispatch, an interval ends with a group that
-            # closes it, if its last dispatch has several steps. The single
-            # steps end intervals cut short (a stop, a resumed or a shorter run).
+            # checkpoint every step calls only the interval's last step. With
+            # several steps a dispatch, an interval is groups and a closing
+            # group (or the closing step alone); the closing step also ends an
+            # interval cut short by a stop, and single steps other ones (a
+            # resumed or shorter run's): compiled when first called.
             every = self._n_steps_per_checkpoint
-            needed = ["last"] if every == 1 else ["one", "last"]
-            if closing is not None:
-                needed.insert(0, "many_last")
-            if stacked is not None and every > steps_per_dispatch:
-                needed.insert(0, "many")
+            if steps_per_dispatch == 1:
+                needed = ["last"] if every == 1 else ["one", "last"]
+            else:
+                needed = ["many"] if every > steps_per_dispatch else []
+                needed += ["many_last"] if closing is not None else []
+                needed += ["last"]
             self._steps = CompiledSteps(
                 update,
                 placement,

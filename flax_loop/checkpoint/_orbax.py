@@ -39,6 +39,7 @@ from flax_loop.checkpoint._orbax_store import (
     open_manager,
     orbax_module,
     read_orbax_step,
+    reading,
     restore_tree,
 )
 from flax_loop.checkpoint._writer import check_writer_options
@@ -216,7 +217,8 @@ class OrbaxCheckpointReader:
         r"""The steps the directory holds, oldest first."""
         if not os.path.isdir(self.dir) or self._holds_parameters_only():
             return []
-        return sorted(open_manager(self.dir, None, read_only=True).all_steps())
+        with reading(self.dir) as manager:
+            return sorted(manager.all_steps())
 
     def _holds_parameters_only(self) -> bool:
         return any(
@@ -250,17 +252,17 @@ class OrbaxCheckpointReader:
             return None
         if self._holds_parameters_only():
             return self._restore_parameters(template)
-        manager = open_manager(self.dir, None, read_only=True)
         problems = []
-        for step in sorted(manager.all_steps(), reverse=True):
-            where = os.path.join(self.dir, str(step))
-            try:
-                return self._restore_step(manager, step, template, where)
-            except CheckpointMismatchError:
-                raise
-            except Exception as error:
-                problems.append(f"{where}: {error}")
-                log(f"[yellow]Skipped a damaged Orbax checkpoint:[/yellow] {where}: {error}")
+        with reading(self.dir) as manager:
+            for step in sorted(manager.all_steps(), reverse=True):
+                where = os.path.join(self.dir, str(step))
+                try:
+                    return self._restore_step(manager, step, template, where)
+                except CheckpointMismatchError:
+                    raise
+                except Exception as error:
+                    problems.append(f"{where}: {error}")
+                    log(f"[yellow]Skipped a damaged Orbax checkpoint:[/yellow] {where}: {error}")
         if problems:
             raise CheckpointCorruptError(
                 f"Every checkpoint in {self.dir!r} is damaged, so none was loaded and "

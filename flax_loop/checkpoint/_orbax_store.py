@@ -6,8 +6,10 @@ state. The writers and the reader (`_orbax`) build on it.
 """
 
 import base64
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -64,6 +66,17 @@ def open_manager(directory: str, keep: int | None, read_only: bool) -> Any:
         absl.setLevel(level)
 
 
+@contextlib.contextmanager
+def reading(directory: str) -> Iterator[Any]:
+    r"""A read-only manager of the directory, closed after use (left to the
+    garbage collector, its event loop was sometimes closed under a callback)."""
+    manager = open_manager(directory, None, read_only=True)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
 def encode_meta(file: CheckpointFile) -> dict[str, Any]:
     meta: dict[str, Any] = {"step": int(file.step), "metrics": file.metrics or {}}
     if file.rnkey is not None:
@@ -106,7 +119,13 @@ def read_orbax_step(
     """
     ocp = orbax_module()
     where = os.path.join(directory, str(step))
-    manager = open_manager(directory, None, read_only=True)
+    with reading(directory) as manager:
+        return _read_step(ocp, manager, where, step, read_arrays)
+
+
+def _read_step(
+    ocp: Any, manager: Any, where: str, step: int, read_arrays: bool
+) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str]]]:
     stored = manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
     meta = decode_meta(stored[META_ITEM], where)
     meta["version"] = stored[META_ITEM].get("version")
