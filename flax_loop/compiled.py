@@ -266,6 +266,41 @@ class CompiledSteps:
         )
 
 
+def closing_steps(every: int, steps_per_dispatch: int) -> int:
+    r"""The steps of the dispatch that ends an interval of `every` steps (the
+    ones before it dispatch `steps_per_dispatch` steps each), if several;
+    else 0 (a single closing step).
+
+    >>> closing_steps(100, 32), closing_steps(96, 32), closing_steps(97, 32), closing_steps(3, 4)
+    (4, 32, 0, 3)
+    """
+    if steps_per_dispatch == 1:
+        return 0
+    tail = every - steps_per_dispatch * ((every - 1) // steps_per_dispatch)
+    return tail if tail > 1 else 0
+
+
+def needed_variants(every: int, steps_per_dispatch: int) -> list[str]:
+    r"""The variants a cadence of `every` steps calls, the first dispatch's first.
+
+    A checkpoint every step calls only the interval's closing step. With
+    several steps a dispatch, an interval is groups and a closing group (or
+    the closing step alone); the closing step also ends an interval cut short
+    by a stop; single steps end other ones (a resumed or shorter run's) and
+    compile when first called.
+
+    >>> needed_variants(1, 1), needed_variants(10, 1)
+    (['last'], ['one', 'last'])
+    >>> needed_variants(100, 32), needed_variants(97, 32), needed_variants(32, 32)
+    (['many', 'many_last', 'last'], ['many', 'last'], ['many_last', 'last'])
+    """
+    if steps_per_dispatch == 1:
+        return ["last"] if every == 1 else ["one", "last"]
+    needed = ["many"] if every > steps_per_dispatch else []
+    needed += ["many_last"] if closing_steps(every, steps_per_dispatch) else []
+    return needed + ["last"]
+
+
 def _packing_of(state: TrainState) -> Packing | None:
     r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
     or one with fewer than two leaves to pack."""

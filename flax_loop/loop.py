@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from flax_loop import distributed
 from flax_loop.batch import normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
-from flax_loop.compiled import CompiledSteps
+from flax_loop.compiled import CompiledSteps, closing_steps, needed_variants
 from flax_loop.console import describe_model
 from flax_loop.errors import ConfigError, DataExhaustedError, check_count
 from flax_loop.feed import BatchFeed
@@ -215,7 +215,7 @@ class TrainLoop:
                 placement,
                 steps_per_dispatch,
                 prefetch,
-                closing_steps=_closing_steps(self._n_steps_per_checkpoint, steps_per_dispatch),
+                closing_steps=closing_steps(self._n_steps_per_checkpoint, steps_per_dispatch),
             )
             inputs = (
                 self._feed.sample[0]
@@ -269,19 +269,7 @@ class TrainLoop:
                 ema_decay=ema_decay,
             )
             batch, stacked, closing = self._feed.samples()
-            # The variants the cadence calls, the first dispatch's first: a
-            # checkpoint every step calls only the interval's last step. With
-            # several steps a dispatch, an interval is groups and a closing
-            # group (or the closing step alone); the closing step also ends an
-            # interval cut short by a stop, and single steps other ones (a
-            # resumed or shorter run's): compiled when first called.
-            every = self._n_steps_per_checkpoint
-            if steps_per_dispatch == 1:
-                needed = ["last"] if every == 1 else ["one", "last"]
-            else:
-                needed = ["many"] if every > steps_per_dispatch else []
-                needed += ["many_last"] if closing is not None else []
-                needed += ["last"]
+            needed = needed_variants(self._n_steps_per_checkpoint, steps_per_dispatch)
             self._steps = CompiledSteps(
                 update,
                 placement,
@@ -499,17 +487,3 @@ class TrainLoop:
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
-
-
-def _closing_steps(every: int, steps_per_dispatch: int) -> int:
-    r"""The steps of the dispatch that ends an interval of `every` steps (the
-    ones before it dispatch `steps_per_dispatch` steps each), if several;
-    else 0 (a single last step).
-
-    >>> _closing_steps(100, 32), _closing_steps(96, 32), _closing_steps(97, 32)
-    (4, 32, 0)
-    """
-    if steps_per_dispatch == 1:
-        return 0
-    tail = every - steps_per_dispatch * ((every - 1) // steps_per_dispatch)
-    return tail if tail > 1 else 0

@@ -331,39 +331,18 @@ def test_checkpoint_is_positional_as_in_flax_extra():
 
 
 @pytest.mark.parametrize("n_devices", [1, 4])
-def test_several_steps_per_dispatch_match_single_steps(n_devices):
-    model = BatchNormDropoutNet()
-
-    def run(steps_per_dispatch):
-        loop = TrainLoop(
-            init=model.init,
-            task=TrainTask(
-                model.apply, optax.adam(1e-2), cross_entropy, batches(X_TRAIN, Y_TRAIN, 32)
-            ),
-            rnkey=jax.random.key(3),
-            n_steps=22,
-            n_steps_per_checkpoint=9,
-            collections={"apply": ["dropout"]},
-            devices=jax.devices()[:n_devices],
-            stdout=False,
-            steps_per_dispatch=steps_per_dispatch,
-        )
-        return list(loop)
-
-    single, grouped = run(1), run(4)
-    assert [c.step for c in grouped] == [9, 18, 22]
-    assert [c.n_completed_steps for c in grouped] == [9, 9, 4]
-    for a, b in zip(single, grouped):
-        assert relative_difference(b.model_params, a.model_params) < 1e-6
-        assert relative_difference(b.model_state, a.model_state) < 1e-6
-        assert b.loss == pytest.approx(a.loss, rel=1e-6)
-        assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-6)
-
-
-@pytest.mark.parametrize("n_devices", [1, 4])
-def test_an_interval_ends_with_one_dispatch_of_its_last_steps(n_devices):
-    # Intervals of 6 steps at 4 a dispatch: 4, then the last 2 in one call that
-    # closes the interval (no single steps); the run's last interval of 2 too.
+@pytest.mark.parametrize(
+    "n_steps, every, calls",
+    [
+        # intervals of 9 at 4 a dispatch: 4, 4, then the closing step alone;
+        # the run's last 4 steps (an interval cut short) as single steps
+        (22, 9, {"one": 3, "last": 3, "many": 4}),
+        # intervals of 6: 4, then the last 2 in one call that closes the
+        # interval (no single step); the run's last interval of 2 too
+        (14, 6, {"one": 0, "last": 0, "many": 2, "many_last": 3}),
+    ],
+)
+def test_several_steps_per_dispatch_match_single_steps(n_devices, n_steps, every, calls):
     model = BatchNormDropoutNet()
 
     def run(steps_per_dispatch):
@@ -373,8 +352,8 @@ def test_an_interval_ends_with_one_dispatch_of_its_last_steps(n_devices):
                 model.apply, optax.adam(1e-2), cross_entropy, ResumableBatches(X_TRAIN, Y_TRAIN, 32)
             ),
             rnkey=jax.random.key(3),
-            n_steps=14,
-            n_steps_per_checkpoint=6,
+            n_steps=n_steps,
+            n_steps_per_checkpoint=every,
             collections={"apply": ["dropout"]},
             devices=jax.devices()[:n_devices],
             stdout=False,
@@ -382,23 +361,24 @@ def test_an_interval_ends_with_one_dispatch_of_its_last_steps(n_devices):
             prefetch=0,
         )
         loop._steps.wait()  # every variant compiled: count the calls of each
-        calls = {}
+        called = {}
         for name in ("one", "last", "many", "many_last"):
             variant = getattr(loop._steps, name)
             if variant is not None:
-                calls[name] = 0
+                called[name] = 0
 
                 def counted(*args, variant=variant, name=name):
-                    calls[name] += 1
+                    called[name] += 1
                     return variant(*args)
 
                 setattr(loop._steps, name, counted)
-        return list(loop), calls
+        return list(loop), called
 
-    (single, _), (grouped, calls) = run(1), run(4)
-    assert calls == {"one": 0, "last": 0, "many": 2, "many_last": 3}
-    assert [c.step for c in grouped] == [6, 12, 14]
-    assert [c.data_state for c in grouped] == [{"position": p} for p in (6, 12, 14)]
+    (single, _), (grouped, called) = run(1), run(4)
+    assert called == calls
+    steps = [*range(every, n_steps, every), n_steps]
+    assert [c.step for c in grouped] == [c.step for c in single] == steps
+    assert [c.data_state for c in grouped] == [{"position": step} for step in steps]
     for a, b in zip(single, grouped):
         assert relative_difference(b.model_params, a.model_params) < 1e-6
         assert relative_difference(b.model_state, a.model_state) < 1e-6
