@@ -250,7 +250,7 @@ def anatomy(rounds, n_steps=3200):
     )
     whole = timed_loop(loop)
     whole(64)  # past the feed's first reads (it decides to read inline)
-    one, key, feed = loop._steps.one, loop._train_key, loop._feed
+    one, key, feed = loop.compiled.programs["one"], loop._train_key, loop._feed
     plain = [((x,), (y,)) for x, y in batches]
 
     def busy():
@@ -265,7 +265,7 @@ def anatomy(rounds, n_steps=3200):
             started = time.perf_counter()
             for _ in range(n):
                 if read == "take":
-                    batch = feed.take(10**9, False, 1)[0]
+                    batch = feed.take(1, 10**9, False, 1)[0]
                 else:
                     batch = next(stream)
                     if read == "busy":

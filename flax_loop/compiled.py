@@ -1,17 +1,17 @@
-r"""The update compiled in the variants a loop dispatches, and when each compiles.
+r"""The update compiled in the variants a `DispatchPlan` calls, and when each compiles.
 
-A loop dispatches a step, the last step of an interval (which also returns
-its gradients and closes the interval), and, with `steps_per_dispatch > 1`,
-several steps in one call, and the interval's last steps in one call that
-also closes it; a stream's shorter last batch gets a step of its own size.
-Set-up compiles the one the first dispatch needs; the others the cadence
-calls compile on a background thread while training starts; the rest only
-when first called (`CompiledSteps`).
+The variants (`flax_loop.plan`): a step, the last step of an interval (which
+also returns its gradients and closes the interval), with
+`steps_per_dispatch > 1` several steps in one call and the interval's last
+steps in one call that also closes it; a stream's shorter last batch gets a
+step of its own size. Set-up compiles the one the first dispatch needs; the
+others the plan calls compile on a background thread while training starts;
+the rest only when first called (`CompiledSteps`).
 """
 
 import concurrent.futures
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,6 +21,7 @@ from flax_loop.batch import Batch
 from flax_loop.initial import run_once, run_once_options
 from flax_loop.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
 from flax_loop.parallel import DATA_AXIS, Placement, to_host
+from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.state import IntervalResult, IntervalStatistics, TrainState, close_interval
 from flax_loop.step import Update, lower_update
 
@@ -32,39 +33,58 @@ def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
 class _Compiling:
     r"""A variant compiling on the background thread (`source` its future), or
     compiled when first called (`source` compiles it): called, it waits for
-    the executable, puts it in its owner's attribute (later calls go straight
-    to it) and runs it."""
+    the executable, puts it in its owner's `programs` (later calls go
+    straight to it) and runs it."""
 
     def __init__(
-        self, owner: Any, name: str, source: concurrent.futures.Future | Callable[[], Any]
+        self,
+        programs: dict[str, Any],
+        name: str,
+        source: concurrent.futures.Future | Callable[[], Any],
     ) -> None:
-        self._owner, self._name, self._source = owner, name, source
+        self._programs, self._name, self._source = programs, name, source
+        self._compiled: Any = None
 
     def result(self) -> Callable[..., Any]:
-        source = self._source
-        compiled = source.result() if isinstance(source, concurrent.futures.Future) else source()
-        setattr(self._owner, self._name, compiled)
-        return compiled
+        if self._compiled is None:
+            source = self._source
+            self._compiled = (
+                source.result() if isinstance(source, concurrent.futures.Future) else source()
+            )
+        if self._programs.get(self._name) is self:
+            self._programs[self._name] = self._compiled
+        return self._compiled
 
     def __call__(self, *args: Any) -> Any:
         return self.result()(*args)
 
 
 class CompiledSteps:
-    r"""The update compiled in the variants a loop dispatches.
+    r"""The update compiled in the variants a `DispatchPlan` calls.
 
-    A step (`one`); the last step of an interval, which also returns its
-    gradients and closes the interval (`last`); with `steps_per_dispatch >
-    1`, that many steps in one call (`many`), and the steps that end an
-    interval in one call that closes it as `last` does (`many_last`). The
-    variants the loop's cadence calls are `needed`, the first dispatch's
-    first: it is traced and compiled at set-up (a model's or loss's error is
-    raised there); the other needed ones are traced and compiled on a
-    background thread, so that training starts meanwhile (a variant called
-    before it is ready waits for it, and raises its error); the rest (say,
-    the single step when a checkpoint comes every step) only if a changed
-    cadence calls them. Nothing is compiled for a later batch, so a changed
-    batch shape is an error, never a silent recompilation.
+    `programs` maps each variant's name (`flax_loop.plan`) to the program
+    that runs it, `program(state, batch, key)`: `ONE` and `MANY` return
+    `(state, loss)`, `LAST` and `MANY_LAST` (which close the interval)
+    `(state, loss, grads, statistics)` (the loss a vector of every step's
+    with several steps). The variants the plan calls are `needed`, the first
+    dispatch's first: it is traced and compiled at set-up (a model's or
+    loss's error is raised there); the other needed ones are traced and
+    compiled on a background thread, so that training starts meanwhile (a
+    variant called before it is ready waits for it, and raises its error);
+    the rest (say, the single step when a checkpoint comes every step) only
+    if a changed cadence calls them (`follow`). Nothing is compiled for a
+    later batch, so a changed batch shape is an error, never a silent
+    recompilation.
+
+    Args:
+        update: the per-device update (`build_update`).
+        placement: the devices.
+        state: the initial state, placed.
+        sample_batch: `sample_batch(n_steps)`, a batch as the steps take it
+            (`n_steps` stacked for several), for the programs' shapes.
+        key: the replicated key the steps take.
+        plan: the dispatch plan.
+        shardings: the state's shardings, or `None` when replicated.
     """
 
     def __init__(
@@ -72,14 +92,12 @@ class CompiledSteps:
         update: Update,
         placement: Placement,
         state: TrainState,
-        batch: Batch,
-        stacked: Batch | None,
+        sample_batch: Callable[[int], Batch],
         key: jax.Array,
-        steps_per_dispatch: int,
+        plan: DispatchPlan,
         shardings: TrainState | None = None,
-        needed: Sequence[str] = ("one", "last"),
-        closing: Batch | None = None,
     ) -> None:
+        needed = plan.needed()
         first = needed[0]
         if shardings is not None:
             mode = "gspmd"
@@ -88,21 +106,29 @@ class CompiledSteps:
         replicated = placement.replicated
         # A replicated state travels packed: fewer arrays a call (flax_loop.packing).
         packing = None if shardings is not None else _packing_of(state)
+        batch = sample_batch(1)
+        stacked = sample_batch(plan.steps_per_dispatch) if plan.steps_per_dispatch > 1 else None
+        closing = sample_batch(plan.closing_steps) if plan.closing_steps else None
+        self._stacked = stacked
 
         def lower(name: str, state: Any, shardings: TrainState | None) -> Any:
             lower_with = functools.partial(
                 lower_update, update, placement, mode=mode, shardings=shardings, packing=packing
             )
-            if name == "many":
+            if name == MANY:
                 assert stacked is not None
-                return lower_with(state, stacked, key, n_steps=steps_per_dispatch)
-            if name == "many_last":
+                return lower_with(state, stacked, key, n_steps=plan.steps_per_dispatch)
+            if name == MANY_LAST:
                 assert closing is not None
-                n_steps = jax.tree.leaves(closing)[0].shape[0]
                 return lower_with(
-                    state, closing, key, n_steps=n_steps, with_grads=True, closing=True
+                    state,
+                    closing,
+                    key,
+                    n_steps=plan.closing_steps,
+                    with_grads=True,
+                    closing=True,
                 )
-            last = name == "last"  # it closes the interval too
+            last = name == LAST  # it closes the interval too
             return lower_with(state, batch, key, with_grads=last, closing=last)
 
         def lower_first() -> Any:
@@ -142,7 +168,6 @@ class CompiledSteps:
             update,
             placement,
             key=key,
-            with_grads=True,
             mode=mode,
             shardings=shardings,
             packing=packing,
@@ -157,17 +182,19 @@ class CompiledSteps:
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
         abstract = jax.tree.map(_abstract, state)
-        names = ["last", "one"] + (["many"] if stacked is not None else [])
-        names += ["many_last"] if closing is not None else []
+        self._abstract = abstract
+        names = [LAST, ONE] + ([MANY] if stacked is not None else [])
+        names += [MANY_LAST] if plan.closing_steps else []
         later = {
             name: functools.partial(_compile, functools.partial(lower, name, abstract, shardings))
             for name in names
             if name != first
         }
-        self.one: Callable[..., Any]
-        self.last: Callable[..., Any]
-        self.many: Callable[..., Any] | None = None
-        self.many_last: Callable[..., Any] | None = None
+        self.programs: dict[str, Any] = {SHORTER: self._shorter_step}
+        r"""the program of each variant, by name (`flax_loop.plan`)."""
+        # the closing groups compiled (or compiling), by size: a changed cadence
+        # ends its intervals with a group of another size
+        self._closing_groups: dict[int, Any] = {}
         self._close_interval: Callable[..., Any]
         self._copy: Callable[..., Any]
         self._background = concurrent.futures.ThreadPoolExecutor(
@@ -179,58 +206,86 @@ class CompiledSteps:
         # an interval ends without its `last` step (a stop, the stream's end):
         # it compiles then (a small program).
         try:
-            setattr(self, first, program.compile())
+            self.programs[first] = program.compile()
             for name, compile in later.items():
                 if name in needed:
-                    self._compile_later(name, compile)
+                    self.programs[name] = _Compiling(
+                        self.programs, name, self._background.submit(compile)
+                    )
                 else:
-                    setattr(self, name, _Compiling(self, name, compile))
-            self._close_interval = _Compiling(self, "_close_interval", close.compile)
+                    self.programs[name] = _Compiling(self.programs, name, compile)
+            if plan.closing_steps:
+                self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
+            self._close_interval = _Compiling({}, "", close.compile)
             # every checkpoint copies the state
-            self._compile_later("_copy", functools.partial(self._compile_copy, placement))
+            self._copy = _Compiling(
+                {},
+                "",
+                self._background.submit(functools.partial(self._compile_copy, placement)),
+            )
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
+
+    def follow(self, plan: DispatchPlan) -> None:
+        r"""Makes `programs[MANY_LAST]` end the intervals of `plan` (a changed
+        cadence): a closing group of its size, compiled when first called."""
+        size = plan.closing_steps
+        if not size:
+            return
+        program = self._closing_groups.get(size)
+        if program is None:
+            stacked = self._stacked
+            assert stacked is not None, "closing groups come with several steps a dispatch"
+            closing = jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(
+                    (size, *leaf.shape[1:]), leaf.dtype, sharding=getattr(leaf, "sharding", None)
+                ),
+                stacked,
+            )
+            lowering = functools.partial(
+                self._lower, self._abstract, closing, n_steps=size, with_grads=True, closing=True
+            )
+            program = _Compiling(self.programs, MANY_LAST, functools.partial(_compile, lowering))
+            self._closing_groups[size] = program
+        self.programs[MANY_LAST] = program
 
     def _compile_copy(self, placement: Placement) -> Callable[..., Any]:
         packing = self.packing
         if packing is None:
-            return lambda state: placement.copy(_kept(state))
+            return lambda state: placement.copy(state.saved_arrays())
 
-        def copy(packed: Any) -> tuple[Any, Any, Any, Any]:
+        def copy(packed: Any) -> dict[str, Any]:
             # a compiled program's outputs are buffers of its own (its input is
             # not donated), which the next step's donation leaves alone
-            return _kept(packing.unpack(packed))
+            return packing.unpack(packed).saved_arrays()
 
         abstract = jax.tree.map(_abstract, self.state)
         # slices and copies: compiled as the initial state is, for a short compilation
         copying = jax.jit(copy, out_shardings=placement.replicated).lower(abstract)
         return copying.compile(run_once_options())
 
-    def copy(self, state: Any) -> tuple[Any, Any, Any, Any]:
-        r"""`(model_params, model_state, optimizer_state, ema_params)` of the
-        state as fresh arrays, which outlive the loop's donation of its own to
-        the next step (a checkpoint's)."""
+    def copy(self, state: Any) -> dict[str, Any]:
+        r"""The saved state's arrays (`TrainState.saved_arrays`) as fresh
+        arrays, which outlive the loop's donation of its own to the next step
+        (a checkpoint's)."""
         return self._copy(state)
-
-    def _compile_later(self, name: str, compile: Callable[[], Any]) -> None:
-        future = self._background.submit(compile)
-        setattr(self, name, _Compiling(self, name, future))
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""
-        for name in ("one", "last", "many", "many_last", "_close_interval", "_copy"):
-            variant = getattr(self, name)
-            if isinstance(variant, _Compiling):
-                variant.result()
+        for compiled in (*self.programs.values(), self._close_interval, self._copy):
+            if isinstance(compiled, _Compiling):
+                compiled.result()
 
-    def shorter(self, state: TrainState, batch: Batch, key: jax.Array) -> Any:
-        r"""One step on a stream's shorter last batch, `-> (state, loss, grads)`,
-        compiled for its size on first use (once per size)."""
+    def _shorter_step(self, state: TrainState, batch: Batch, key: jax.Array) -> Any:
+        r"""One step on a stream's shorter last batch, `-> (state, loss, grads,
+        None)` (it does not close the interval), compiled for its size on
+        first use (once per size)."""
         shapes = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
         compiled = self._shorter.get(shapes)
         if compiled is None:
-            compiled = self._shorter[shapes] = self._lower(state, batch).compile()
-        return compiled(state, batch, key)
+            lowered = self._lower(state, batch, with_grads=True)
+            compiled = self._shorter[shapes] = lowered.compile()
+        return (*compiled(state, batch, key), None)
 
     def finish_interval(
         self,
@@ -266,41 +321,6 @@ class CompiledSteps:
         )
 
 
-def closing_steps(every: int, steps_per_dispatch: int) -> int:
-    r"""The steps of the dispatch that ends an interval of `every` steps (the
-    ones before it dispatch `steps_per_dispatch` steps each), if several;
-    else 0 (a single closing step).
-
-    >>> closing_steps(100, 32), closing_steps(96, 32), closing_steps(97, 32), closing_steps(3, 4)
-    (4, 32, 0, 3)
-    """
-    if steps_per_dispatch == 1:
-        return 0
-    tail = every - steps_per_dispatch * ((every - 1) // steps_per_dispatch)
-    return tail if tail > 1 else 0
-
-
-def needed_variants(every: int, steps_per_dispatch: int) -> list[str]:
-    r"""The variants a cadence of `every` steps calls, the first dispatch's first.
-
-    A checkpoint every step calls only the interval's closing step. With
-    several steps a dispatch, an interval is groups and a closing group (or
-    the closing step alone); the closing step also ends an interval cut short
-    by a stop; single steps end other ones (a resumed or shorter run's) and
-    compile when first called.
-
-    >>> needed_variants(1, 1), needed_variants(10, 1)
-    (['last'], ['one', 'last'])
-    >>> needed_variants(100, 32), needed_variants(97, 32), needed_variants(32, 32)
-    (['many', 'many_last', 'last'], ['many', 'last'], ['many_last', 'last'])
-    """
-    if steps_per_dispatch == 1:
-        return ["last"] if every == 1 else ["one", "last"]
-    needed = ["many"] if every > steps_per_dispatch else []
-    needed += ["many_last"] if closing_steps(every, steps_per_dispatch) else []
-    return needed + ["last"]
-
-
 def _packing_of(state: TrainState) -> Packing | None:
     r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
     or one with fewer than two leaves to pack."""
@@ -308,11 +328,6 @@ def _packing_of(state: TrainState) -> Packing | None:
         return None
     packing = Packing(state)
     return packing if packing.n_packed >= 2 else None
-
-
-def _kept(state: TrainState) -> tuple[Any, Any, Any, Any]:
-    r"""What a checkpoint keeps of the state."""
-    return state.model_params, state.model_state, state.optimizer_state, state.ema_params
 
 
 def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:

@@ -17,10 +17,14 @@ data state of each batch is then recorded as it is read, so a checkpoint
 still saves the state after its last trained batch, however far the thread
 has read.
 
+>>> import numpy as np
+>>> from flax_loop.feed import BatchFeed
+>>> from flax_loop.parallel import Placement
+from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER
 >>> feed = BatchFeed([(np.zeros((8, 3)), np.zeros(8))] * 2, Placement(), steps_per_dispatch=1)
->>> batch, n_steps, last, short = feed.take(remaining=10, stopping=False, next_step=1)
->>> n_steps, last, short
-(1, False, False)
+>>> batch, n_steps, variant, last = feed.take(1, remaining=10, stopping=False, next_step=1)
+>>> n_steps, variant, last
+(1, 'one', False)
 """
 
 import copy
@@ -37,6 +41,7 @@ from flax_loop.batch import Batch, BatchSpec, normalize_batch
 from flax_loop.errors import BatchError, DataExhaustedError, FlaxLoopError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
+from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER
 from flax_loop.prefetch import Failed, Prefetcher
 from flax_loop.source import DataSource
 
@@ -51,12 +56,12 @@ PROBE_READS = 8
 r"""How many reads the default `prefetch=None` times before it decides."""
 
 
-Dispatch = tuple[Any, int, bool, bool]
+Dispatch = tuple[Any, int, str, bool]
 r"""What the loop dispatches next, a plain tuple (the cheapest to make, per
 step): the batch (one, or `n_steps` stacked, placed as the compiled step
-takes them); `n_steps`; whether it ends the interval (its step returns the
-gradients); whether it is a stream's (or epoch's) shorter last batch, which
-needs a step compiled for its size."""
+takes them); `n_steps`; the variant that runs it (`flax_loop.plan`: a
+stream's shorter last batch needs a step compiled for its size); whether it
+ends the interval (its step returns the gradients)."""
 
 
 class BatchFeed:
@@ -65,10 +70,8 @@ class BatchFeed:
     Args:
         data: the task's data: an iterator, or an iterable read epoch after epoch.
         placement: the devices the batches go to.
-        steps_per_dispatch: how many batches to stack for one dispatch.
-        closing_steps: the number of steps of the dispatch that ends an
-            interval (its last `closing_steps` batches stacked), or 0 for a
-            single step.
+        steps_per_dispatch: the most batches one dispatch stacks (how far
+            the reading thread reads ahead).
         prefetch: batches a background thread reads ahead: `None` decides
             after the first reads (a thread if they are slow), `0` reads
             inline, `N >= 1` starts the thread at once.
@@ -85,15 +88,12 @@ class BatchFeed:
         placement: Placement,
         steps_per_dispatch: int,
         prefetch: int | None = None,
-        closing_steps: int = 0,
     ) -> None:
         self._source = DataSource(data)
         self._placement = placement
         # On one process a batch goes to the step as it is (numpy is copied to
         # the devices by the call itself); several processes assemble theirs.
         self._place = placement.shard_batch if placement.multiprocess else _as_is
-        self._many = steps_per_dispatch
-        self._closing = closing_steps
         # (batch, the data state after it): the state only while states are
         # recorded per batch (`_threaded`, or deciding whether to prefetch).
         self._ahead: deque[tuple[Batch, Any]] = deque()
@@ -128,31 +128,27 @@ class BatchFeed:
         r"""whether the source is read epoch after epoch."""
         return self._source.repeats
 
-    def samples(self) -> tuple[Any, Any | None, Any | None]:
-        r"""A batch as the steps take it, `steps_per_dispatch` of them stacked
-        and `closing_steps` of them stacked (each `None` if not dispatched),
-        to compile the steps with."""
-        # On one process, numpy as the steps will take it: an executable
-        # compiled for numpy inputs takes them ~7% faster per small step than
-        # one compiled for placed arrays (benchmarks/loop_overhead.py).
-        return (
-            self._place(self.sample),
-            self._stacked_sample(self._many),
-            self._stacked_sample(self._closing),
-        )
-
-    def _stacked_sample(self, n_steps: int) -> Any | None:
-        if n_steps < 2:
-            return None
+    def sample_batch(self, n_steps: int = 1) -> Any:
+        r"""The first batch as the steps take it, or `n_steps` copies of it
+        stacked as a group is (`n_steps > 1`), to compile the steps with."""
+        if n_steps == 1:
+            # On one process, numpy as the steps will take it: an executable
+            # compiled for numpy inputs takes them faster per small step than one
+            # compiled for placed arrays (benchmarks/loop_overhead.py).
+            return self._place(self.sample)
         stacked = _stack([self.sample] * n_steps)
         if self._placement.multiprocess:
             stacked = self._placement.shard_batch(stacked, stacked=True)
         return stacked
 
-    def take(self, remaining: int, stopping: bool, next_step: int) -> Dispatch | None:
+    def take(self, group: int, remaining: int, stopping: bool, next_step: int) -> Dispatch | None:
         r"""The next dispatch of an interval with `remaining` steps to go.
 
         Args:
+            group: the steps the plan stacks in this dispatch
+                (`DispatchPlan.group`); 1 for a single step. A group that
+                the data cuts short (the stream ends, a shorter batch) is
+                read as single steps instead.
             remaining: steps until the interval's planned end (>= 1).
             stopping: whether a stop was requested: the batch already read
                 ahead, if any, is trained on as the interval's last; no more
@@ -165,26 +161,24 @@ class BatchFeed:
         """
         ahead = self._ahead
         if not stopping:
-            many = self._many
-            if many > 1 and (remaining > many or remaining == self._closing):
+            if group > 1:
                 # A group that ends the interval reads nothing past it (the
                 # data state saved with the checkpoint); another reads one
                 # batch more, so that a stream's end is a single last step.
-                closing = remaining <= many
-                n_steps = remaining if closing else many
-                self._fill(n_steps + (not closing), next_step)
+                closing = group == remaining
+                self._fill(group + (not closing), next_step)
                 size = self._size
-                if len(ahead) >= n_steps + (not closing) and all(
-                    ahead[index][0][0][0].shape[0] == size for index in range(n_steps)
+                if len(ahead) >= group + (not closing) and all(
+                    ahead[index][0][0][0].shape[0] == size for index in range(group)
                 ):
                     popleft = ahead.popleft
-                    group = [popleft()[0] for _ in range(n_steps - 1)]
+                    batches = [popleft()[0] for _ in range(group - 1)]
                     last_batch, self._taken_state = popleft()
-                    group.append(last_batch)
-                    stacked = _stack(group)
+                    batches.append(last_batch)
+                    stacked = _stack(batches)
                     if self._placement.multiprocess:  # else numpy, as the step was compiled
                         stacked = self._placement.shard_batch(stacked, stacked=True)
-                    return stacked, n_steps, closing, False
+                    return stacked, group, MANY_LAST if closing else MANY, closing
             # At the planned end nothing is read ahead: the data state saved
             # with the checkpoint is then that after its last batch.
             want = 1 if remaining == 1 else 2
@@ -194,7 +188,8 @@ class BatchFeed:
             return None
         batch, self._taken_state = ahead.popleft()
         last = remaining == 1 or stopping or not ahead
-        return self._place(batch), 1, last, batch[0][0].shape[0] != self._size
+        short = batch[0][0].shape[0] != self._size
+        return self._place(batch), 1, SHORTER if short else (LAST if last else ONE), last
 
     def _fill(self, count: int, next_step: int) -> None:
         while len(self._ahead) < count and not self.exhausted:

@@ -6,10 +6,11 @@ r"""The state training starts from: a model's `init`, or a checkpoint file.
 (0, True)
 """
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,7 +18,12 @@ import optax
 from flax.core import unfreeze
 from flax.core.scope import CollectionFilter
 
-from flax_loop.checkpoint import CheckpointFile, CheckpointFileReader, OrbaxCheckpointReader
+from flax_loop.checkpoint import (
+    CheckpointFile,
+    CheckpointFileReader,
+    OrbaxCheckpointReader,
+    Saved,
+)
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
@@ -34,78 +40,51 @@ Layout = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 r"""`layout(params, model_state, optimizer_state) -> their shardings`."""
 
 
-class InitialState(NamedTuple):
-    r"""Where training starts."""
-
-    model_params: Any
-    r"""the parameters (device or numpy arrays)."""
-
-    model_state: Any
-    r"""the model's other collections."""
-
-    optimizer_state: Any
-    r"""the optimizer's state."""
-
-    step: int
-    r"""the number of steps already trained."""
-
-    rnkey: jax.Array | None = None
-    r"""the run's key stored in the file resumed from, if any."""
-
-    data_state: Any = None
-    r"""the data iterator's state stored in the file resumed from, if any."""
-
-    path: str | None = None
-    r"""the file resumed from; `None` for a fresh start."""
-
-    ema_params: Any = None
-    r"""the moving average of the parameters stored in the file, if any."""
-
-    def run_key(self, given: jax.Array, stdout: bool) -> jax.Array:
-        r"""The run's key: the one stored in the file resumed from, so that the
-        run stays one random stream (saying so when it differs from `given`)."""
-        if self.rnkey is None:
-            return given
-        if not same_key(self.rnkey, given):
-            log(
-                "The checkpoint's run key differs from rnkey: training continues with "
-                "the checkpoint's, so that the run stays one random stream.",
-                stdout=stdout,
-            )
-        return self.rnkey
-
-    def placed(
-        self,
-        step: int,
-        ema: bool,
-        placement: Placement,
-        shardings_of: Callable[[TrainState], TrainState] | None = None,
-    ) -> tuple[TrainState, TrainState | None]:
-        r"""The state the first step takes, on the devices, at `step`.
-
-        Args:
-            step: the step the processes agreed to start from.
-            ema: whether the state keeps a moving average of the parameters
-                (one starts at the parameters when the file holds none).
-            placement: the devices.
-            shardings_of: the state's layout, given the state; `None`
-                replicates it over the devices.
-
-        Returns:
-            the state, and its shardings (`None` when replicated).
-        """
-        ema_params = None
-        if ema:
-            ema_params = self.ema_params
-            if ema_params is None:  # a fresh average starts at the parameters
-                ema_params = jax.tree.map(lambda leaf: leaf.copy(), self.model_params)
-        created = TrainState.create(
-            self.model_params, self.model_state, self.optimizer_state, step, ema_params
+def run_key(start: CheckpointFile, given: jax.Array, stdout: bool) -> jax.Array:
+    r"""The run's key: the one stored in the file resumed from, so that the
+    run stays one random stream (saying so when it differs from `given`)."""
+    if start.rnkey is None:
+        return given
+    if not same_key(start.rnkey, given):
+        log(
+            "The checkpoint's run key differs from rnkey: training continues with "
+            "the checkpoint's, so that the run stays one random stream.",
+            stdout=stdout,
         )
-        if shardings_of is None:
-            return placement.replicate(created), None
-        shardings = shardings_of(created)
-        return placement.place(created, shardings), shardings
+    return start.rnkey
+
+
+def placed(
+    start: Saved,
+    step: int,
+    ema: bool,
+    placement: Placement,
+    shardings_of: Callable[[TrainState], TrainState] | None = None,
+) -> tuple[TrainState, TrainState | None]:
+    r"""The state the first step takes, on the devices, at `step`.
+
+    Args:
+        start: the saved state to start from.
+        step: the step the processes agreed to start from.
+        ema: whether the state keeps a moving average of the parameters
+            (one starts at the parameters when the start holds none).
+        placement: the devices.
+        shardings_of: the state's layout, given the state; `None`
+            replicates it over the devices.
+
+    Returns:
+        the state, and its shardings (`None` when replicated).
+    """
+    ema_params = None
+    if ema:
+        ema_params = start.ema_params
+        if ema_params is None:  # a fresh average starts at the parameters
+            ema_params = jax.tree.map(lambda leaf: leaf.copy(), start.model_params)
+    created = TrainState.of(dataclasses.replace(start, ema_params=ema_params), step)
+    if shardings_of is None:
+        return placement.replicate(created), None
+    shardings = shardings_of(created)
+    return placement.place(created, shardings), shardings
 
 
 def initial_state(
@@ -118,8 +97,9 @@ def initial_state(
     reader: Reader | None = None,
     layout: Layout | None = None,
     ema: bool = False,
-) -> InitialState:
-    r"""The newest file of `reader`'s directory, or a fresh initialization.
+) -> CheckpointFile:
+    r"""The newest file of `reader`'s directory, or a fresh initialization at
+    step 0 (a `CheckpointFile` whose `path` is `None`).
 
     Resuming never runs the model's `init`: the file is restored into the
     shapes and dtypes `init` would give (`jax.eval_shape`). With a `layout`
@@ -170,22 +150,13 @@ def initial_state(
                 None if place is None else place[2],
                 params,
             )
-            return InitialState(params, model_state, optimizer_state, 0)
+            return CheckpointFile(params, model_state, optimizer_state, step=0)
         if restored is not None:
-            return InitialState(
-                restored.model_params,
-                restored.model_state,
-                restored.optimizer_state,
-                int(restored.step),
-                restored.rnkey,
-                restored.data_state,
-                restored.path,
-                restored.ema_params,
-            )
+            return dataclasses.replace(restored, step=int(restored.step))
     params, model_state, optimizer_state = _guarded(
         lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
     )
-    return InitialState(params, model_state, optimizer_state, 0)
+    return CheckpointFile(params, model_state, optimizer_state, step=0)
 
 
 _LEVEL = "xla_backend_optimization_level"

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flax_loop.checkpoint import Checkpoint
+from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.compiled import CompiledSteps
 from flax_loop.errors import NonFiniteError
 from flax_loop.feed import BatchFeed
 from flax_loop.parallel import Placement, to_host
-from flax_loop.state import IntervalStatistics, TrainState
+from flax_loop.state import TrainState
 
 CHUNK = 64
 r"""Dispatches' losses stacked on the devices per host transfer."""
@@ -119,31 +119,41 @@ class Intervals:
         self._rnkey, self._raise_nonfinite = rnkey, raise_nonfinite
         self.start = step
         r"""the step the current interval started after."""
-        self.grads: Any = None
-        r"""the gradients of the interval's last step (the loop sets them)."""
-        self.statistics: IntervalStatistics | None = None
-        r"""the statistics the interval's last step returned, if it closed the
-        interval (the loop sets them)."""
+        self._grads: Any = None  # the last interval-ending step's
         self.losses = LossHistory()
         r"""the interval's losses as the steps returned them (the loop notes them)."""
         self._last: Checkpoint | None = None
 
     def close(
-        self, state: TrainState, step: int, loss: Any, elapsed: float, preempted: bool
+        self,
+        state: TrainState,
+        step: int,
+        loss: Any,
+        ending: tuple[Any, ...] | None,
+        elapsed: float,
+        preempted: bool,
     ) -> tuple[TrainState, Checkpoint]:
         r"""The interval's checkpoint at `step`, and the state to go on with.
+
+        `ending` is what the step that ended the interval returned, `(state,
+        loss, grads, statistics)` (`statistics` `None` when it did not close
+        the interval: a stream's shorter last batch), or `None` when no step
+        ended it (the stream ended, or a stop came, between dispatches).
 
         Raises:
             NonFiniteError: if a loss or gradient of the interval was not
                 finite and the loop was told to raise.
         """
         n_completed = step - self.start
-        params, model_state, optimizer_state, ema_params = self._steps.copy(state)
+        arrays = self._steps.copy(state)
+        params, optimizer_state = arrays["model_params"], arrays["optimizer_state"]
         history = self.losses.read()
+        statistics = None
+        if ending is not None:
+            self._grads, statistics = ending[2], ending[3]
         if n_completed:
-            statistics, self.statistics = self.statistics, None
             state, result = self._steps.finish_interval(
-                state, self.grads, loss, n_completed, statistics
+                state, self._grads, loss, n_completed, statistics
             )
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
                 where = (
@@ -156,7 +166,7 @@ class Intervals:
                     f"step {step}). Lower the learning rate, check the data for NaN or "
                     "Inf, or pass nonfinite='skip' to TrainLoop to skip such updates."
                 )
-            grads, loss_value = self.grads, result.loss
+            grads, loss_value = self._grads, result.loss
             n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
             train_metrics = {
                 "loss": mean_loss,
@@ -169,23 +179,20 @@ class Intervals:
             grads = previous.grads if previous else jax.tree.map(jnp.zeros_like, params)
             loss_value = previous.loss if previous else float("nan")
         self.start = step
-        self._last = Checkpoint(
-            model_params=params,
-            model_state=model_state,
-            optimizer_state=optimizer_state,
+        saved = SavedState(
+            **arrays, step=step, rnkey=self._rnkey, data_state=self._feed.state(step)
+        )
+        self._last = Checkpoint.from_saved(
+            saved,
             grads=grads,
             loss=loss_value,
             n_completed_steps=n_completed,
             elapsed_time=elapsed,
-            step=step,
             mean_loss=mean_loss,
             n_nonfinite_steps=n_nonfinite,
             train_metrics=train_metrics,
             losses=history,
-            ema_params=ema_params,
             preempted=preempted,
-            rnkey=self._rnkey,
-            data_state=self._feed.state(step),
         )
         return state, self._last
 

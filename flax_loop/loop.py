@@ -31,15 +31,16 @@ from jax.sharding import Mesh
 from flax_loop import distributed
 from flax_loop.batch import normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
-from flax_loop.compiled import CompiledSteps, closing_steps, needed_variants
+from flax_loop.compiled import CompiledSteps
 from flax_loop.console import describe_model
 from flax_loop.errors import ConfigError, DataExhaustedError, check_count
 from flax_loop.feed import BatchFeed
-from flax_loop.initial import InitFn, Reader, initial_state, run_once
+from flax_loop.initial import InitFn, Reader, initial_state, placed, run_key, run_once
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
 from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
+from flax_loop.plan import DispatchPlan
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.profiling import ProfileSteps
 from flax_loop.progress import ProgressReport
@@ -210,13 +211,9 @@ class TrainLoop:
             if prefetch is not None:
                 prefetch = check_count("prefetch", prefetch, 0)
             self._placement = placement = Placement(devices, mesh)
-            self._feed = BatchFeed(
-                task.data,
-                placement,
-                steps_per_dispatch,
-                prefetch,
-                closing_steps=closing_steps(self._n_steps_per_checkpoint, steps_per_dispatch),
-            )
+            self._steps_per_dispatch = steps_per_dispatch
+            self._plan = DispatchPlan(self._n_steps_per_checkpoint, steps_per_dispatch)
+            self._feed = BatchFeed(task.data, placement, steps_per_dispatch, prefetch)
             inputs = (
                 self._feed.sample[0]
                 if input_sample is None
@@ -243,12 +240,13 @@ class TrainLoop:
                 ema=ema_decay is not None,
             )
             if start.path is not None:
-                key = start.run_key(key, stdout)
+                key = run_key(start, key, stdout)
                 self._feed.restore(start.data_state, stdout)
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)
             self._train_key = placement.replicate(run_once(train_key, None, key))
-            self._state, shardings = start.placed(
+            self._state, shardings = placed(
+                start,
                 self._step,
                 ema_decay is not None,
                 placement,
@@ -268,19 +266,14 @@ class TrainLoop:
                 shards=None if shardings is None else placement.batch_sharding,
                 ema_decay=ema_decay,
             )
-            batch, stacked, closing = self._feed.samples()
-            needed = needed_variants(self._n_steps_per_checkpoint, steps_per_dispatch)
             self._steps = CompiledSteps(
                 update,
                 placement,
                 self._state,
-                batch,
-                stacked,
+                self._feed.sample_batch,
                 self._train_key,
-                steps_per_dispatch,
+                self._plan,
                 shardings,
-                needed,
-                closing,
             )
             self._state = self._steps.state
             self._intervals = Intervals(
@@ -310,7 +303,19 @@ class TrainLoop:
 
     @n_steps_per_checkpoint.setter
     def n_steps_per_checkpoint(self, value: int) -> None:
+        r"""A new cadence takes effect from the next interval (its variants
+        compile when first called)."""
         self._n_steps_per_checkpoint = check_count("n_steps_per_checkpoint", value, 1, MAX_STEPS)
+        if hasattr(self, "_steps"):  # set-up done: the plan follows the cadence
+            self._plan = DispatchPlan(self._n_steps_per_checkpoint, self._steps_per_dispatch)
+            self._steps.follow(self._plan)
+
+    @property
+    def compiled(self) -> CompiledSteps:
+        r"""The compiled variants of the step (`compiled.programs` by name,
+        `compiled.wait()` for those compiling in the background): for tests
+        and benchmarks, which time or count them."""
+        return self._steps
 
     @property
     def devices(self) -> list[Any]:
@@ -423,46 +428,32 @@ class TrainLoop:
         if report is not None and not report.active:
             report.start(self._step, total)
         started = time.perf_counter()
-        # The per-step path reads locals only: at ~25 us a step (a small MLP on
-        # this CPU), each attribute lookup or call here is measurable.
-        steps, take, key, guard = self._steps, self._feed.take, self._train_key, self._guard
-        intervals, profile = self._intervals, self.profile
+        # The per-step path reads locals only: each attribute lookup or call
+        # here is a measurable part of a small model's step.
+        programs, take, group = self._steps.programs, self._feed.take, self._plan.group
+        key, guard, intervals, profile = self._train_key, self._guard, self._intervals, self.profile
         # every step's loss, read at the checkpoint
         note_loss, note_losses = intervals.losses.append, intervals.losses.extend
-        intervals.statistics = None  # until the interval's `last` step returns them
         queue = InFlight(self._placement.dispatch_depth)
         # Several processes must stop at the same step: they agree on it at
         # the checkpoint, never between steps.
         may_stop = not self._placement.multiprocess
         loss: Any = None
+        ending = None  # what the step that ends the interval returns
         step = self._step
         while step < boundary:
-            dispatch = take(boundary - step, may_stop and guard.requested, step + 1)
+            remaining = boundary - step
+            dispatch = take(group(remaining), remaining, may_stop and guard.requested, step + 1)
             if dispatch is None:
                 break
-            batch, n_steps, last, short = dispatch
+            batch, n_steps, variant, last = dispatch
             traced = profile is not None and profile.wants(step + 1, step + n_steps)
             if traced:
                 profile.begin()  # type: ignore[union-attr]
                 annotation = profile.annotate(step + 1)  # type: ignore[union-attr]
                 annotation.__enter__()
-            if short:
-                self._state, loss, grads = steps.shorter(self._state, batch, key)
-                if last:
-                    intervals.grads = grads
-            elif n_steps > 1:
-                if last:  # the interval's last steps, which close it too
-                    self._state, loss, intervals.grads, intervals.statistics = steps.many_last(
-                        self._state, batch, key
-                    )  # type: ignore[misc]
-                else:
-                    self._state, loss = steps.many(self._state, batch, key)  # type: ignore[misc]
-            elif last:  # it closes the interval too: its statistics come back
-                self._state, loss, intervals.grads, intervals.statistics = steps.last(
-                    self._state, batch, key
-                )
-            else:
-                self._state, loss = steps.one(self._state, batch, key)
+            result = programs[variant](self._state, batch, key)
+            self._state, loss = result[0], result[1]
             if traced:
                 annotation.__exit__(None, None, None)
                 profile.record(step + 1, step + n_steps, loss)  # type: ignore[union-attr]
@@ -475,12 +466,13 @@ class TrainLoop:
             if report is not None:
                 report.advance(step)
             if last:
+                ending = result
                 break
         preempted = self._stop_requested()
         if self._step == self._intervals.start and not preempted:
             return None
         self._state, checkpoint = self._intervals.close(
-            self._state, self._step, loss, time.perf_counter() - started, preempted
+            self._state, self._step, loss, ending, time.perf_counter() - started, preempted
         )
         if preempted:
             self._guard.clear()

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from flax_loop.checkpoint import Saved
+
 
 class TrainState(NamedTuple):
     r"""Everything the update carries from one step to the next.
@@ -48,10 +50,20 @@ class TrainState(NamedTuple):
     r"""the exponential moving average of the parameters (`TrainLoop(ema_decay=...)`);
     `None` without one."""
 
+    def saved_arrays(self) -> dict[str, Any]:
+        r"""`{name: tree}` of the saved state's array fields (`Saved.ARRAYS`):
+        what a checkpoint copies."""
+        return {name: getattr(self, name) for name in Saved.ARRAYS}
+
     @property
     def step(self) -> jax.Array:
         r"""the number of completed steps."""
         return self.counters[0]
+
+    @classmethod
+    def of(cls, saved: Saved, step: int) -> "TrainState":
+        r"""The state of a saved state's arrays (any form of it) at `step`."""
+        return cls.create(**saved.arrays(), step=step)
 
     @classmethod
     def create(

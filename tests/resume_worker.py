@@ -98,7 +98,7 @@ def main() -> None:
     )
     writer = writer_type(output_dir=args.dir, keep=args.keep)
     start = loop.step
-    loop._steps.wait()  # set-up done: the variants compiling in the background too
+    loop.compiled.wait()  # set-up done: the variants compiling in the background too
     print(f"START {start}", flush=True)
     for checkpoint in loop:
         writer(checkpoint)

@@ -101,7 +101,7 @@ def test_one_compilation_per_loop(without_compilation_cache):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         loop = make_loop(batches(X_TRAIN, Y_TRAIN, 32))
-        loop._steps.wait()  # the variants compiling on the background thread
+        loop.compiled.wait()  # the variants compiling on the background thread
         assert len(compiles) >= 3  # the listener sees the set-up's compilations
         loop.n_steps_per_checkpoint = 3
         compiles.clear()
@@ -131,7 +131,7 @@ def test_a_short_last_batch_is_trained_on_with_one_more_compilation(without_comp
 
     loop = make_loop(iter(epoch))
     loop.n_steps, loop.n_steps_per_checkpoint = 20, 20
-    loop._steps.wait()  # the set-up's variants, compiling on the background thread
+    loop.compiled.wait()  # the set-up's variants, compiling on the background thread
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         (checkpoint,) = list(loop)

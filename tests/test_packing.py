@@ -74,13 +74,13 @@ def _final(monkeypatch, packed, **options):
 )
 def test_packed_state_trains_bitwise_as_the_unpacked(monkeypatch, n_devices, options):
     loop, checkpoints, packed = _final(monkeypatch, True, n_devices=n_devices, **options)
-    assert loop._steps.packing is not None
+    assert loop.compiled.packing is not None
     # every leaf of this small net is packed: one array of each dtype a call
-    assert len(jax.tree.leaves(loop._steps.state)) == 2
+    assert len(jax.tree.leaves(loop.compiled.state)) == 2
     unpacked_loop, unpacked_checkpoints, unpacked = _final(
         monkeypatch, False, n_devices=n_devices, **options
     )
-    assert unpacked_loop._steps.packing is None
+    assert unpacked_loop.compiled.packing is None
     assert len(packed) == len(unpacked) > 10
     assert all(np.array_equal(a, b) for a, b in zip(packed, unpacked))
     np.testing.assert_array_equal(
@@ -99,7 +99,7 @@ def test_checkpoints_keep_their_values_while_the_loop_trains_on():
     # the 64x128 kernel travels apart from the packed leaves: both kinds
     loop = digits_loop(MLP(features=(128,)), n_steps=6, n_steps_per_checkpoint=2)
     checkpoints = list(loop)
-    assert loop._steps.packing is not None
+    assert loop.compiled.packing is not None
     seen = [
         [np.asarray(leaf).copy() for leaf in jax.tree.leaves(c.model_params)] for c in checkpoints
     ]
@@ -117,7 +117,7 @@ def test_a_large_leaf_travels_as_it_is():
     loop = digits_loop(MLP(features=(128,)), optimizer=optax.sgd(0.1), n_steps=2)
     list(loop)
     # the 64x128 kernel (32 KB) is not packed; its bias and the rest are
-    _, kept = loop._steps.state
+    _, kept = loop.compiled.state
     assert [leaf.shape for leaf in kept] == [(64, 128)]
 
 
@@ -126,7 +126,7 @@ def test_a_large_state_travels_unpacked():
 
     loop = digits_loop(MLP(features=(2048,)), n_steps=2)  # Adam: ~1.8 MB of state
     *_, checkpoint = list(loop)
-    assert loop._steps.packing is None
+    assert loop.compiled.packing is None
     state_bytes = 3 * sum(leaf.nbytes for leaf in jax.tree.leaves(checkpoint.model_params))
     assert state_bytes > MAX_STATE_BYTES
     assert np.isfinite(checkpoint.loss)

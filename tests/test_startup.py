@@ -28,7 +28,7 @@ PROGRAM = textwrap.dedent(
     from tests.helpers import digits_loop
     loop = digits_loop(n_steps=2, devices=jax.devices()[:2])
     checkpoint = loop.next_checkpoint()
-    loop._steps.wait()  # the variants the first checkpoint did not need
+    loop.compiled.wait()  # the variants the first checkpoint did not need
     print(f"HITS {len(hits)} COMPILES {len(compiles)} STEP {checkpoint.step}")
     """
 )
@@ -95,13 +95,14 @@ def test_a_variant_the_cadence_never_calls_compiles_when_first_called():
 
     loop = digits_loop(n_devices=1, n_steps=6)
     assert [c.step for c in loop.run(3)] == [1, 2, 3]
-    pending = loop._steps.one  # compiles when called: no future on the background thread
+    programs = loop.compiled.programs
+    pending = programs["one"]  # compiles when called: no future on the background thread
     assert not isinstance(pending, jax.stages.Compiled) and callable(pending._source)
     assert not isinstance(pending._source, concurrent.futures.Future)
-    assert isinstance(loop._steps.last, jax.stages.Compiled)
+    assert isinstance(programs["last"], jax.stages.Compiled)
     loop.n_steps_per_checkpoint = 3  # now steps 4 and 5 are single steps
     (changed,) = list(loop)
-    assert changed.step == 6 and isinstance(loop._steps.one, jax.stages.Compiled)
+    assert changed.step == 6 and isinstance(programs["one"], jax.stages.Compiled)
     _, straight = list(digits_loop(n_devices=1, n_steps=6, n_steps_per_checkpoint=3))
     for a, b in zip(jax.tree.leaves(changed.model_params), jax.tree.leaves(straight.model_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same steps, same bits

@@ -21,6 +21,7 @@ from flax_loop.checkpoint._orbax import (
     OrbaxCheckpointWriter,
 )
 from flax_loop.checkpoint._reader import CheckpointFileReader
+from flax_loop.checkpoint._saved import Saved, SavedState
 from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
 from flax_loop.checkpoint._writer import CheckpointFileWriter
 
@@ -43,6 +44,8 @@ __all__ = [
     "Metrics",
     "OrbaxCheckpointReader",
     "OrbaxCheckpointWriter",
+    "Saved",
+    "SavedState",
     "Summary",
     "as_summary",
     "expect",

@@ -1,11 +1,14 @@
-r"""The training state handed to the caller, and the same with metrics."""
+r"""The training state handed to the caller, and the same with metrics.
+
+A `Checkpoint` is the saved state (`SavedState`'s fields) plus what the
+loop measured over the interval that ended at it.
+"""
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-
+from flax_loop.checkpoint._saved import Saved
 from flax_loop.errors import ConfigError
 
 Metrics = Mapping[str, Any]
@@ -13,7 +16,7 @@ r"""Metric values by name, e.g. `{"accuracy": 0.97}`."""
 
 
 @dataclass
-class Checkpoint:
+class Checkpoint(Saved):
     r"""The training state at a step, as a `TrainLoop` yields it.
 
     Arrays are global JAX arrays without a device axis: use them as they are
@@ -25,15 +28,6 @@ class Checkpoint:
     3 3 True
     4 1 True
     """
-
-    model_params: Any
-    r"""parameters of the model at the checkpoint."""
-
-    model_state: Any
-    r"""the model's other collections at the checkpoint (e.g. `batch_stats`)."""
-
-    optimizer_state: Any
-    r"""a state of the optimizer at the checkpoint."""
 
     grads: Any
     r"""gradients of the last step, averaged over the devices."""
@@ -67,18 +61,8 @@ class Checkpoint:
     `n_completed_steps` (kept on the devices while training and read once
     here); `None` for a checkpoint not made by a loop."""
 
-    ema_params: Any = field(default=None, kw_only=True, repr=False)
-    r"""the exponential moving average of the parameters, with
-    `TrainLoop(ema_decay=...)`; `None` without."""
-
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
-
-    rnkey: jax.Array | None = field(default=None, kw_only=True, repr=False)
-    r"""the run's key, kept so a checkpoint file resumes the same random stream."""
-
-    data_state: Any = field(default=None, kw_only=True, repr=False)
-    r"""the data iterator's `get_state()` at this step, when it has one."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from flax import serialization
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._checkpoint import Metrics
+from flax_loop.checkpoint._saved import Saved
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.random import key_data, key_from_data
 
@@ -22,22 +23,13 @@ REGULAR_PREFIX = "regular."
 
 
 @dataclass
-class CheckpointFile:
-    r"""What a checkpoint file holds: the state to resume from and its metrics.
+class CheckpointFile(Saved):
+    r"""What a checkpoint file holds: the saved state and its metrics.
 
     >>> file = CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init).read_newest()
     >>> file is None    # the directory holds no checkpoint yet
     True
     """
-
-    model_params: Any
-    r"""parameters of the model at the checkpoint."""
-
-    model_state: Any
-    r"""the model's other collections at the checkpoint."""
-
-    optimizer_state: Any
-    r"""a state of the optimizer at the checkpoint."""
 
     step: int
     r"""the step number at which this checkpoint occurred."""
@@ -48,17 +40,8 @@ class CheckpointFile:
     version: int = _format.FORMAT_VERSION
     r"""the file format version."""
 
-    rnkey: jax.Array | None = field(default=None, repr=False)
-    r"""the run's key, so a resumed run draws the same random numbers."""
-
-    data_state: Any = field(default=None, repr=False)
-    r"""the data iterator's `get_state()`, restored with `set_state` on resume."""
-
     path: str | None = field(default=None, compare=False)
     r"""the file it was read from (`None` for one not read from a file)."""
-
-    ema_params: Any = field(default=None, repr=False)
-    r"""the moving average of the parameters, if the loop kept one."""
 
 
 def quote(name: str) -> str:
@@ -113,13 +96,12 @@ def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) 
         the path written.
     """
     ensure_directory(directory)
+    # the array fields of the saved state; an absent one (no moving average) is left out
     tree = {
-        "model_params": serialization.to_state_dict(file.model_params),
-        "model_state": serialization.to_state_dict(file.model_state),
-        "optimizer_state": serialization.to_state_dict(file.optimizer_state),
+        name: serialization.to_state_dict(arrays)
+        for name, arrays in file.arrays().items()
+        if arrays is not None
     }
-    if file.ema_params is not None:
-        tree["ema_params"] = serialization.to_state_dict(file.ema_params)
     meta: dict[str, Any] = {
         "step": int(file.step),
         "metrics": _metrics_to_file(file.metrics),

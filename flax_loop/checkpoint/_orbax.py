@@ -42,7 +42,7 @@ from flax_loop.checkpoint._orbax_store import (
     reading,
     restore_tree,
 )
-from flax_loop.checkpoint._writer import check_writer_options
+from flax_loop.checkpoint._writer import check_writer_options, to_file
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -100,20 +100,9 @@ class OrbaxCheckpointWriter:
         step = int(checkpoint.step)
         manager.wait_until_finished()
         self._make_room(manager, step)
-        metrics: Any = checkpoint.metrics if isinstance(checkpoint, Summary) else {}
-        file = CheckpointFile(
-            model_params=checkpoint.model_params,
-            model_state=checkpoint.model_state,
-            optimizer_state=checkpoint.optimizer_state,
-            step=step,
-            metrics=metrics,
-            rnkey=checkpoint.rnkey,
-            data_state=checkpoint.data_state,
-            ema_params=checkpoint.ema_params,
-        )
-        state = {part: getattr(file, part) for part in PARTS}
-        if file.ema_params is not None:
-            state["ema_params"] = file.ema_params
+        file = to_file(checkpoint)
+        # the array fields of the saved state; an absent one (no moving average) is left out
+        state = {name: arrays for name, arrays in file.arrays().items() if arrays is not None}
         try:
             manager.save(
                 step,
@@ -301,16 +290,17 @@ class OrbaxCheckpointReader:
             args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)}),
         )[STATE_ITEM]
         return CheckpointFile(
-            model_params=state["model_params"],
-            model_state=state["model_state"],
-            optimizer_state=state["optimizer_state"],
+            # an array field the template leaves out (no moving average) is dropped
+            **{
+                name: state.get(name) if getattr(template, name) is not None else None
+                for name in CheckpointFile.ARRAYS
+            },
             step=step,
             metrics=meta.get("metrics") or {},
             version=FORMAT_VERSION,
             rnkey=restore_key(meta, where),
             data_state=meta.get("data_state"),
             path=where,
-            ema_params=state.get("ema_params") if template.ema_params is not None else None,
         )
 
     def _restore_parameters(self, template: CheckpointFile) -> CheckpointFile:

@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from flax_loop.checkpoint._file import CheckpointFile
+from flax_loop.checkpoint._saved import REQUIRED_ARRAYS
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -28,7 +29,7 @@ from flax_loop.random import key_data
 FORMAT_NAME = "flax_loop.orbax"
 FORMAT_VERSION = 1
 STATE_ITEM, META_ITEM = "state", "meta"
-PARTS = ("model_params", "model_state", "optimizer_state")
+PARTS = REQUIRED_ARRAYS
 
 
 def orbax_module() -> Any:

@@ -1,5 +1,6 @@
 r"""Reading the newest intact checkpoint file of a directory."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from flax_loop.checkpoint._file import (
     load,
     restore_key,
 )
+from flax_loop.checkpoint._saved import REQUIRED_ARRAYS, Saved
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -21,8 +23,8 @@ from flax_loop.errors import (
 )
 from flax_loop.log import log
 
-STATE_PARTS = ("model_params", "model_state", "optimizer_state")
-r"""The parts of a checkpoint file that hold the training state."""
+STATE_PARTS = REQUIRED_ARRAYS
+r"""The parts of a checkpoint file that every file holds."""
 
 
 @dataclass
@@ -90,16 +92,13 @@ class CheckpointFileReader:
                     "file's permissions or disk, or move it away."
                 ) from error
             return CheckpointFile(
-                model_params=tree.get("model_params"),
-                model_state=tree.get("model_state"),
-                optimizer_state=tree.get("optimizer_state"),
+                **{name: tree.get(name) for name in Saved.ARRAYS},
                 step=int(meta["step"]),
                 metrics=meta.get("metrics") or {},
                 version=int(meta.get("version", 0)),
                 rnkey=restore_key(meta, path),
                 data_state=meta.get("data_state"),
                 path=path,
-                ema_params=tree.get("ema_params"),
             )
         if problems:
             raise CheckpointCorruptError(
@@ -171,9 +170,13 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
     path = file.path or "the checkpoint"
     # A moving average is restored when the loop keeps one and the file has
     # one; a loop that starts keeping one starts it from the parameters.
-    parts: tuple[str, ...] = STATE_PARTS
-    if template.ema_params is not None and file.ema_params is not None:
-        parts = (*STATE_PARTS, "ema_params")
+    parts = STATE_PARTS + tuple(
+        name
+        for name in Saved.ARRAYS
+        if name not in STATE_PARTS
+        and getattr(template, name) is not None
+        and getattr(file, name) is not None
+    )
     want = _flatten({part: serialization.to_state_dict(getattr(template, part)) for part in parts})
     have = _flatten({part: getattr(file, part) for part in parts})
     for name, leaf in have.items():
@@ -208,15 +211,7 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
                 f"{path} does not fit this model's {part}: {error}."
             ) from error
 
-    return CheckpointFile(
-        model_params=restored("model_params"),
-        model_state=restored("model_state"),
-        optimizer_state=restored("optimizer_state"),
-        step=file.step,
-        metrics=file.metrics,
-        version=file.version,
-        rnkey=file.rnkey,
-        data_state=file.data_state,
-        path=file.path,
-        ema_params=restored("ema_params") if "ema_params" in parts else None,
-    )
+    arrays: dict[str, Any] = {
+        name: restored(name) if name in parts else None for name in Saved.ARRAYS
+    }
+    return dataclasses.replace(file, **arrays)

@@ -210,33 +210,16 @@ def check_writer_options(output_dir: Any, keep: Any, overwrite: Any) -> str:
 def to_file(checkpoint: Checkpoint) -> CheckpointFile:
     r"""The part of a checkpoint (or summary) that goes into a file."""
     metrics: Any = checkpoint.metrics if isinstance(checkpoint, Summary) else {}
-    return CheckpointFile(
-        model_params=checkpoint.model_params,
-        model_state=checkpoint.model_state,
-        optimizer_state=checkpoint.optimizer_state,
-        step=checkpoint.step,
-        metrics=metrics,
-        rnkey=checkpoint.rnkey,
-        data_state=checkpoint.data_state,
-        ema_params=checkpoint.ema_params,
-    )
+    return CheckpointFile.from_saved(checkpoint, metrics=metrics)
 
 
 def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
-    r"""A copy of the file that nothing else changes: arrays in host memory,
-    metadata deep-copied, ready for a worker thread."""
-    params, model_state, optimizer_state, ema_params = to_host(
-        (file.model_params, file.model_state, file.optimizer_state, file.ema_params)
-    )
-    return CheckpointFile(
-        model_params=params,
-        model_state=model_state,
-        optimizer_state=optimizer_state,
-        step=file.step,
+    r"""A copy of the file that nothing else changes: arrays in host memory
+    (one transfer), metadata deep-copied, ready for a worker thread."""
+    return dataclasses.replace(
+        file.map_arrays(to_host),
         metrics=copy.deepcopy(file.metrics),
-        rnkey=file.rnkey,
         data_state=copy.deepcopy(file.data_state),
-        ema_params=ema_params,
     )
 
 
