@@ -25,6 +25,7 @@ from flax_loop.checkpoint import (
     Metrics,
     OrbaxCheckpointReader,
     OrbaxCheckpointWriter,
+    SavedState,
     Summary,
 )
 from flax_loop.console import SummaryLogger
@@ -67,6 +68,7 @@ __all__ = [
     "OrbaxCheckpointReader",
     "OrbaxCheckpointWriter",
     "ProfileSteps",
+    "SavedState",
     "Summary",
     "SummaryLogger",
     "SummaryWriter",

@@ -20,9 +20,9 @@ import numpy as np
 from flax_loop.batch import Batch
 from flax_loop.initial import run_once, run_once_options
 from flax_loop.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
-from flax_loop.parallel import DATA_AXIS, Placement, to_host
+from flax_loop.parallel import DATA_AXIS, Placement
 from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
-from flax_loop.state import IntervalResult, IntervalStatistics, TrainState, close_interval
+from flax_loop.state import TrainState, close_interval
 from flax_loop.step import Update, lower_update
 
 
@@ -287,38 +287,11 @@ class CompiledSteps:
             compiled = self._shorter[shapes] = lowered.compile()
         return (*compiled(state, batch, key), None)
 
-    def finish_interval(
-        self,
-        state: TrainState,
-        grads: Any,
-        loss: jax.Array,
-        n_steps: int,
-        statistics: IntervalStatistics | None = None,
-    ) -> tuple[TrainState, IntervalResult]:
-        r"""The interval's statistics on the host (the host's one wait for the
-        devices in an interval), and the state with its interval sums reset.
-
-        `statistics` are those the `last` step returned (it closed the
-        interval); without them (an interval ended by a stop request or the
-        stream's end) the interval is closed here."""
-        if statistics is None:
-            state, statistics = self._close_interval(state, grads)
-        loss, (counters, loss_sum, metric_sums, finite) = to_host((loss, statistics))
-        _, n_nonfinite, first_nonfinite = (int(count) for count in counters)
-        n_finite = n_steps - n_nonfinite
-
-        def mean(total: Any) -> float:
-            return float(total) / n_finite if n_finite else float("nan")
-
-        metrics = {name: mean(total) for name, total in metric_sums.items()}
-        return state, IntervalResult(
-            float(np.reshape(loss, -1)[-1]),
-            mean(loss_sum),
-            n_nonfinite,
-            first_nonfinite,
-            bool(finite),
-            metrics,
-        )
+    def close_interval(self, state: TrainState, grads: Any) -> Any:
+        r"""Closes an interval that ended without a closing variant (a stop,
+        the stream's end, a shorter last batch): `-> (state with its
+        interval sums reset, statistics)`, compiled when first needed."""
+        return self._close_interval(state, grads)
 
 
 def _packing_of(state: TrainState) -> Packing | None:

@@ -20,7 +20,6 @@ has read.
 >>> import numpy as np
 >>> from flax_loop.feed import BatchFeed
 >>> from flax_loop.parallel import Placement
-from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER
 >>> feed = BatchFeed([(np.zeros((8, 3)), np.zeros(8))] * 2, Placement(), steps_per_dispatch=1)
 >>> batch, n_steps, variant, last = feed.take(1, remaining=10, stopping=False, next_step=1)
 >>> n_steps, variant, last

@@ -18,7 +18,7 @@ from flax_loop.compiled import CompiledSteps
 from flax_loop.errors import NonFiniteError
 from flax_loop.feed import BatchFeed
 from flax_loop.parallel import Placement, to_host
-from flax_loop.state import TrainState
+from flax_loop.state import IntervalResult, IntervalStatistics, TrainState
 
 CHUNK = 64
 r"""Dispatches' losses stacked on the devices per host transfer."""
@@ -98,7 +98,7 @@ class Intervals:
     r"""A loop's intervals between checkpoints.
 
     Args:
-        steps: the compiled steps (their `finish_interval`).
+        steps: the compiled steps (their `copy` and `close_interval`).
         placement: the devices.
         feed: the data feed (its state goes into each checkpoint).
         rnkey: the run's key, stored with each checkpoint.
@@ -152,9 +152,7 @@ class Intervals:
         if ending is not None:
             self._grads, statistics = ending[2], ending[3]
         if n_completed:
-            state, result = self._steps.finish_interval(
-                state, self._grads, loss, n_completed, statistics
-            )
+            state, result = self._finish(state, loss, n_completed, statistics)
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
                 where = (
                     f"at step {result.first_nonfinite}"
@@ -195,6 +193,38 @@ class Intervals:
             preempted=preempted,
         )
         return state, self._last
+
+    def _finish(
+        self,
+        state: TrainState,
+        loss: jax.Array,
+        n_steps: int,
+        statistics: IntervalStatistics | None,
+    ) -> tuple[TrainState, IntervalResult]:
+        r"""The interval's statistics on the host (the host's one wait for the
+        devices in an interval), and the state with its interval sums reset.
+
+        `statistics` are those the interval's closing step returned; without
+        them (an interval ended by a stop request, the stream's end or a
+        shorter last batch) the interval is closed here."""
+        if statistics is None:
+            state, statistics = self._steps.close_interval(state, self._grads)
+        loss, (counters, loss_sum, metric_sums, finite) = to_host((loss, statistics))
+        _, n_nonfinite, first_nonfinite = (int(count) for count in counters)
+        n_finite = n_steps - n_nonfinite
+
+        def mean(total: Any) -> float:
+            return float(total) / n_finite if n_finite else float("nan")
+
+        metrics = {name: mean(total) for name, total in metric_sums.items()}
+        return state, IntervalResult(
+            float(np.reshape(loss, -1)[-1]),
+            mean(loss_sum),
+            n_nonfinite,
+            first_nonfinite,
+            bool(finite),
+            metrics,
+        )
 
 
 def hyperparameters(optimizer_state: Any) -> dict[str, float]:
