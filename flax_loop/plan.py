@@ -102,8 +102,11 @@ class DispatchPlan:
         >>> DispatchPlan(100, 32).needed(), DispatchPlan(32, 32).needed()
         (['many', 'many_last', 'last'], ['many_last', 'last'])
         """
-        names = [name for name, _ in self.dispatches()]
-        return list(dict.fromkeys(names + [LAST]))
+        # in closed form: an interval may be 10**9 steps long
+        if self.steps_per_dispatch == 1:
+            return [LAST] if self.every == 1 else [ONE, LAST]
+        needed = [MANY] if self.every > self.steps_per_dispatch else []
+        return needed + ([MANY_LAST] if self.closing_steps else []) + [LAST]
 
 
 def variant(n_steps: int, last: bool, short: bool) -> str:

@@ -44,12 +44,19 @@ def test_every_plan_covers_its_interval_and_ends_with_a_closing_call(per_dispatc
         assert all(name in (ONE, MANY) for name, _ in body)
         assert all(n == per_dispatch for name, n in body if name == MANY)
         assert n_closing == (plan.closing_steps or 1)
+        assert plan.needed() == list(dict.fromkeys([name for name, _ in planned] + [LAST]))
         # an interval cut short (n_steps, a stop, a resume) that is not a
         # closing group's size ends in single steps, compiled for any cadence
         for remaining in range(1, every + 1):
             n = plan.group(remaining)
             assert 1 <= n <= min(remaining, per_dispatch)
             assert n == 1 or remaining > per_dispatch or remaining == plan.closing_steps
+
+
+def test_a_long_interval_is_planned_without_listing_it():
+    plan = DispatchPlan(10**9 + 4, 32)
+    assert plan.needed() == [MANY, MANY_LAST, LAST] and plan.closing_steps == 4
+    assert (plan.group(10**9), plan.group(4), plan.group(3)) == (32, 4, 1)
 
 
 def test_variant_names_what_was_read():
