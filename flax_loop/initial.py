@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 from flax.core import unfreeze
-from flax.core.scope import CollectionFilter
+from flax.core.scope import CollectionFilter, DenyList
 
 from flax_loop.checkpoint import (
     CheckpointFile,
@@ -207,7 +207,16 @@ def _initialize(
     labels: Sequence[str],
     mutable_collections: CollectionFilter,
 ) -> tuple[Any, Any]:
-    r"""Runs the model's init and splits params from the other collections."""
+    r"""Runs the model's init and splits params from the other collections.
+
+    `init` creates every collection the model makes: those training may
+    change (`mutable_collections`) and those it only reads (a BatchNorm's
+    statistics with `mutable_collections=False`). Only `True` and a deny
+    list are passed as they are; anything narrower (`False`, a list) would
+    leave `params` uncreated, so every collection but `intermediates` is.
+    """
+    if mutable_collections is not True and not isinstance(mutable_collections, DenyList):
+        mutable_collections = DenyList("intermediates")
     variables = init(into_collection(key, labels), *inputs, mutable=mutable_collections)
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise InitError(

@@ -543,3 +543,35 @@ def test_checkpoints_hold_every_steps_loss(steps_per_dispatch):
     np.testing.assert_allclose(history, every_step, rtol=1e-6)
     assert checkpoints[-1].losses[-1] == np.float32(checkpoints[-1].loss)
     assert np.mean(checkpoints[0].losses) == pytest.approx(checkpoints[0].mean_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "model, mutable, also",
+    [
+        (MLP(), False, {}),  # no collection changes: what an ApplyError suggests
+        (BatchNormDropoutNet(), ["batch_stats"], {"collections": {"apply": ["dropout"]}}),
+    ],
+    ids=["mlp-false", "batchnorm-list"],
+)
+def test_a_narrower_mutable_collections_still_initializes_every_collection(model, mutable, also):
+    # init creates params (and batch_stats) whatever training may change; the
+    # run is the default's bit for bit when those are the collections it changes.
+    def run(**options):
+        return list(
+            digits_loop(model, n_devices=1, n_steps=4, n_steps_per_checkpoint=2, **also, **options)
+        )
+
+    narrower, default = run(mutable_collections=mutable), run()
+    assert [c.step for c in narrower] == [2, 4]
+    for a, b in zip(narrower, default):
+        assert jax.tree.structure(a.model_state) == jax.tree.structure(b.model_state)
+        for u, v in zip(
+            jax.tree.leaves((a.model_params, a.model_state)),
+            jax.tree.leaves((b.model_params, b.model_state)),
+        ):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    if mutable == ["batch_stats"]:
+        assert jax.tree.leaves(narrower[-1].model_state)  # the statistics are there and moved
+        assert any(
+            np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(narrower[-1].model_state)
+        )
