@@ -31,18 +31,18 @@ def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
 
 
 class _Compiling:
-    r"""A variant compiling on the background thread (`source` its future), or
+    r"""A program compiling on the background thread (`source` its future), or
     compiled when first called (`source` compiles it): called, it waits for
-    the executable, puts it in its owner's `programs` (later calls go
-    straight to it) and runs it."""
+    the executable, puts it in `programs` under `name`, if given (later
+    calls go straight to it), and runs it."""
 
     def __init__(
         self,
-        programs: dict[str, Any],
-        name: str,
         source: concurrent.futures.Future | Callable[[], Any],
+        programs: dict[str, Any] | None = None,
+        name: str = "",
     ) -> None:
-        self._programs, self._name, self._source = programs, name, source
+        self._source, self._programs, self._name = source, programs, name
         self._compiled: Any = None
 
     def result(self) -> Callable[..., Any]:
@@ -51,7 +51,7 @@ class _Compiling:
             self._compiled = (
                 source.result() if isinstance(source, concurrent.futures.Future) else source()
             )
-        if self._programs.get(self._name) is self:
+        if self._programs is not None and self._programs.get(self._name) is self:
             self._programs[self._name] = self._compiled
         return self._compiled
 
@@ -209,19 +209,16 @@ class CompiledSteps:
             self.programs[first] = program.compile()
             for name, compile in later.items():
                 if name in needed:
-                    self.programs[name] = _Compiling(
-                        self.programs, name, self._background.submit(compile)
-                    )
+                    future = self._background.submit(compile)
+                    self.programs[name] = _Compiling(future, self.programs, name)
                 else:
-                    self.programs[name] = _Compiling(self.programs, name, compile)
+                    self.programs[name] = _Compiling(compile, self.programs, name)
             if plan.closing_steps:
                 self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
-            self._close_interval = _Compiling({}, "", close.compile)
+            self._close_interval = _Compiling(close.compile)
             # every checkpoint copies the state
             self._copy = _Compiling(
-                {},
-                "",
-                self._background.submit(functools.partial(self._compile_copy, placement)),
+                self._background.submit(functools.partial(self._compile_copy, placement))
             )
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
@@ -245,7 +242,7 @@ class CompiledSteps:
             lowering = functools.partial(
                 self._lower, self._abstract, closing, n_steps=size, with_grads=True, closing=True
             )
-            program = _Compiling(self.programs, MANY_LAST, functools.partial(_compile, lowering))
+            program = _Compiling(functools.partial(_compile, lowering), self.programs, MANY_LAST)
             self._closing_groups[size] = program
         self.programs[MANY_LAST] = program
 

@@ -84,7 +84,9 @@ class DispatchPlan:
 
     def dispatches(self, remaining: int | None = None) -> list[tuple[str, int]]:
         r"""`(variant, steps)` of every dispatch of an interval of `remaining`
-        steps (a whole interval by default), when the data cuts none short."""
+        steps (a whole interval by default), when the data cuts none short:
+        a list as long as the interval's dispatches (the loop asks `group`
+        one dispatch at a time instead)."""
         remaining = self.every if remaining is None else remaining
         planned = []
         while remaining:
