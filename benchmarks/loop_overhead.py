@@ -10,7 +10,7 @@ median steps per second of each and their ratio (TrainLoop / hand-written;
 1.00 means no overhead). The hand-written loop is the fastest plain one: numpy
 batches passed straight into `jax.jit` on one device, `jax.jit(jax.shard_map)`
 with `pmean` on several, its dispatch bounded as the TrainLoop bounds its own
-(DESIGN.md). Peak host memory of each (resident set growth over the run) is
+(`flax_loop.parallel.CPU_COLLECTIVE_DISPATCH_DEPTH`). Peak host memory of each (resident set growth over the run) is
 reported too.
 
 On this 2-core machine the same code's ratio moves by up to +-10% from one

@@ -22,7 +22,8 @@ r"""The name of the mesh axis the batch is split along."""
 # On the CPU backend a queue of steps that run a cross-device collective aborts
 # the process after 40 s ("Expected 4 threads to join the rendezvous"): the
 # devices share 2 cores and starve each other's rendezvous. Waiting for step
-# k - 2 before dispatching step k avoids it at no measured cost (DESIGN.md).
+# k - 2 before dispatching step k avoids it at no measured cost
+# (benchmarks/loop_overhead.py bounds its hand-written baseline the same way).
 CPU_COLLECTIVE_DISPATCH_DEPTH = 2
 # Elsewhere the bound only keeps queued batches from piling up in memory.
 DEFAULT_DISPATCH_DEPTH = 16
