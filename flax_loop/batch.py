@@ -119,6 +119,48 @@ def _has_items(group: Any) -> bool:
     return not (isinstance(group, (tuple, list)) and len(group) == 0)
 
 
+class BatchTree:
+    r"""Batches of any structure (`TrainTask(compute_loss=...)`), carried as
+    their leaves: the normalized batch is `((leaf, ...), ())`, and
+    `unflatten` gives the structure back inside the step.
+
+    >>> tree = BatchTree()
+    >>> tree({"image": np.zeros((8, 3)), "label": np.zeros(8, np.int32)})[0][1].shape
+    (8,)
+    >>> sorted(tree.unflatten(((np.zeros(2), np.ones(2)), ())))
+    ['image', 'label']
+    """
+
+    def __init__(self) -> None:
+        self.treedef: Any = None
+
+    def __call__(self, batch: UnnormalizedBatch) -> Batch:
+        r"""The batch's leaves as a normalized batch.
+
+        Raises:
+            BatchError: if it holds no array, a leaf is not an array, or its
+                structure differs from the first batch's.
+        """
+        paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        if not paths:
+            raise BatchError(f"A batch holds no arrays: got {_preview(batch)}.")
+        if self.treedef is None:
+            self.treedef = treedef
+        elif treedef != self.treedef:
+            raise BatchError(
+                f"A batch's structure differs from the first batch's: expected "
+                f"{self.treedef}, got {treedef}. Every batch must keep the first's keys."
+            )
+        return (
+            tuple(_as_leaf(leaf, f"batch{jax.tree_util.keystr(path)}") for path, leaf in paths),
+            (),
+        )
+
+    def unflatten(self, batch: Batch) -> Any:
+        r"""The batch as the stream gave it, from its normalized form."""
+        return jax.tree.unflatten(self.treedef, batch[0])
+
+
 @dataclass(frozen=True)
 class BatchSpec:
     r"""The shapes and dtypes every batch of a stream must keep.

@@ -85,6 +85,8 @@ class CompiledSteps:
         key: the replicated key the steps take.
         plan: the dispatch plan.
         shardings: the state's shardings, or `None` when replicated.
+        grads_like: maps a tree shaped as the parameters to one shaped as
+            the step's gradients (`Objective.grads_like`); identity by default.
     """
 
     def __init__(
@@ -96,7 +98,10 @@ class CompiledSteps:
         key: jax.Array,
         plan: DispatchPlan,
         shardings: TrainState | None = None,
+        grads_like: Callable[[Any], Any] | None = None,
     ) -> None:
+        self.grads_like = grads_like or (lambda tree: tree)
+        r"""maps a tree shaped as the parameters to one shaped as the gradients."""
         needed = plan.needed()
         first = needed[0]
         if shardings is not None:
@@ -113,7 +118,13 @@ class CompiledSteps:
 
         def lower(name: str, state: Any, shardings: TrainState | None) -> Any:
             lower_with = functools.partial(
-                lower_update, update, placement, mode=mode, shardings=shardings, packing=packing
+                lower_update,
+                update,
+                placement,
+                mode=mode,
+                shardings=shardings,
+                packing=packing,
+                grads_like=self.grads_like,
             )
             if name == MANY:
                 assert stacked is not None
@@ -171,6 +182,7 @@ class CompiledSteps:
             mode=mode,
             shardings=shardings,
             packing=packing,
+            grads_like=self.grads_like,
         )
         self._shorter: dict[Any, Callable[..., Any]] = {}
         state_sharding = replicated if shardings is None else shardings
@@ -178,7 +190,7 @@ class CompiledSteps:
             on_packed(close_interval, packing),
             donate_argnums=0,
             out_shardings=(state_sharding, replicated),
-        ).lower(state, self._unpacked.model_params)
+        ).lower(state, self.grads_like(self._unpacked.model_params))
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
         abstract = jax.tree.map(_abstract, state)

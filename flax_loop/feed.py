@@ -30,6 +30,7 @@ import copy
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -74,6 +75,8 @@ class BatchFeed:
         prefetch: batches a background thread reads ahead: `None` decides
             after the first reads (a thread if they are slow), `0` reads
             inline, `N >= 1` starts the thread at once.
+        normalize: `normalize(raw) -> Batch`: the batch form the steps take
+            (`normalize_batch`, or a `BatchTree` for batches of any structure).
 
     Raises:
         ConfigError: if `data` cannot be iterated.
@@ -87,7 +90,9 @@ class BatchFeed:
         placement: Placement,
         steps_per_dispatch: int,
         prefetch: int | None = None,
+        normalize: Callable[[Any], Batch] = normalize_batch,
     ) -> None:
+        self._normalize = normalize
         self._source = DataSource(data)
         self._placement = placement
         # On one process a batch goes to the step as it is (numpy is copied to
@@ -295,7 +300,7 @@ class BatchFeed:
             if fast is not None:
                 return fast
         try:
-            batch = normalize_batch(raw)
+            batch = self._normalize(raw)
         except BatchError as error:
             raise BatchError(f"The batch for step {for_step}: {error}") from error
         smaller = spec is not None and batch[0][0].shape[:1] < (self._size,)

@@ -26,6 +26,7 @@ from flax_loop.checkpoint import (
 )
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
+from flax_loop.objective import SOWN, Objective
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
 from flax_loop.state import TrainState
@@ -89,7 +90,7 @@ def placed(
 
 def initial_state(
     init: InitFn,
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | Objective,
     rnkey: jax.Array,
     inputs: tuple[Any, ...],
     init_labels: Sequence[str],
@@ -225,11 +226,17 @@ def _initialize(
             f"{list(variables) if isinstance(variables, Mapping) else ''}."
         )
     variables = unfreeze(variables)  # type: ignore[arg-type]
+    variables.pop(SOWN, None)  # sown values are outputs, never state
     params = variables.pop("params")
     return params, variables
 
 
-def _init_optimizer(optimizer: optax.GradientTransformation, params: Any) -> Any:
+def _init_optimizer(optimizer: Any, params: Any) -> Any:
+    r"""The optimizer state of `params`: an `optax.GradientTransformation`'s,
+    or an `Objective`'s (each part's over its trainable parameters)."""
+    init_optimizer = getattr(optimizer, "init_optimizer", None)
+    if init_optimizer is not None:
+        return init_optimizer(params)
     try:
         return optimizer.init(params)
     except Exception as error:

@@ -174,7 +174,11 @@ class Intervals:
         else:  # stopped before any step of this interval
             previous = self._last
             n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
-            grads = previous.grads if previous else jax.tree.map(jnp.zeros_like, params)
+            grads = (
+                previous.grads
+                if previous
+                else jax.tree.map(jnp.zeros_like, self._steps.grads_like(params))
+            )
             loss_value = previous.loss if previous else float("nan")
         self.start = step
         saved = SavedState(

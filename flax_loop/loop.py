@@ -25,11 +25,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
+import numpy as np
 from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
 from flax_loop import distributed
-from flax_loop.batch import normalize_group
+from flax_loop.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.compiled import CompiledSteps
 from flax_loop.console import describe_model
@@ -38,7 +40,8 @@ from flax_loop.feed import BatchFeed
 from flax_loop.initial import InitFn, Reader, initial_state, placed, run_key, run_once
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
-from flax_loop.modules import DEFAULT_STREAM, as_apply, as_init, is_nnx
+from flax_loop.modules import DEFAULT_STREAM, as_init, is_nnx
+from flax_loop.objective import Objective, StepInputs
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
 from flax_loop.plan import DispatchPlan
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
@@ -53,7 +56,7 @@ from flax_loop.sharding import (
     state_shardings,
 )
 from flax_loop.state import TrainState
-from flax_loop.step import NONFINITE_MODES, build_update
+from flax_loop.step import NONFINITE_MODES, build_step
 from flax_loop.task import TrainTask, check_train_task
 
 MAX_STEPS = 2**31 - 1
@@ -213,16 +216,24 @@ class TrainLoop:
             self._placement = placement = Placement(devices, mesh)
             self._steps_per_dispatch = steps_per_dispatch
             self._plan = DispatchPlan(self._n_steps_per_checkpoint, steps_per_dispatch)
-            self._feed = BatchFeed(task.data, placement, steps_per_dispatch, prefetch)
-            inputs = (
-                self._feed.sample[0]
-                if input_sample is None
-                else normalize_group(input_sample, "input_sample")
+            apply_labels = labels_of(collections, "apply")
+            if is_nnx(task.apply) and not apply_labels:
+                apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
+            objective = Objective.of(task, task.apply, apply_labels, mutable_collections)
+            tree = None if objective.supervised else BatchTree()
+            self._feed = BatchFeed(
+                task.data,
+                placement,
+                steps_per_dispatch,
+                prefetch,
+                normalize=tree or normalize_batch,
             )
+            objective.batch_tree = tree
+            inputs = _init_inputs(input_sample, self._feed.sample, tree, is_nnx(task.apply))
             key = as_typed_key(rnkey)
 
             def shardings_of(state: TrainState) -> TrainState:
-                return state_shardings(sharding, placement, state, task.optimizer, fsdp_min_bytes)
+                return state_shardings(sharding, placement, state, objective, fsdp_min_bytes)
 
             def layout(params: Any, model_state: Any, optimizer_state: Any) -> Any:
                 laid = shardings_of(TrainState.create(params, model_state, optimizer_state, 0))
@@ -230,7 +241,7 @@ class TrainLoop:
 
             start = initial_state(
                 init_fn,
-                task.optimizer,
+                objective,
                 key,
                 inputs,
                 labels_of(collections, "init"),
@@ -245,6 +256,9 @@ class TrainLoop:
                 log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
             self._step = distributed.agree("the step to resume from", start.step)
             self._train_key = placement.replicate(run_once(train_key, None, key))
+            frozen = objective.frozen_arrays()
+            if frozen is not None:  # beside the key: replicated, never donated
+                self._train_key = StepInputs(self._train_key, placement.replicate(frozen))
             self._state, shardings = placed(
                 start,
                 self._step,
@@ -252,15 +266,8 @@ class TrainLoop:
                 placement,
                 None if is_replicated(sharding) else shardings_of,
             )
-            apply_labels = labels_of(collections, "apply")
-            if is_nnx(task.apply) and not apply_labels:
-                apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
-            update = build_update(
-                as_apply(task.apply, train=True),
-                task.loss,
-                task.optimizer,
-                apply_labels,
-                mutable_collections,
+            update = build_step(
+                objective,
                 DATA_AXIS if placement.n_devices > 1 or shardings is not None else None,
                 skip_nonfinite=nonfinite == "skip",
                 shards=None if shardings is None else placement.batch_sharding,
@@ -274,13 +281,18 @@ class TrainLoop:
                 self._train_key,
                 self._plan,
                 shardings,
+                objective.grads_like,
             )
             self._state = self._steps.state
             self._intervals = Intervals(
                 self._steps, placement, self._feed, key, nonfinite == "raise", self._step
             )
             setup_seconds = time.perf_counter() - started
-            log(describe_model(start.model_params, placement.n_devices, setup_seconds), stdout)
+            trained = objective.trained(start.model_params).split(start.model_params)
+            log(
+                describe_model(start.model_params, placement.n_devices, setup_seconds, trained),
+                stdout,
+            )
 
     @property
     def step(self) -> int:
@@ -479,3 +491,29 @@ class TrainLoop:
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
+
+
+def _init_inputs(
+    input_sample: Any, sample: Batch, tree: BatchTree | None, nnx_model: bool
+) -> tuple[Any, ...]:
+    r"""The inputs `init` is called with: `input_sample`, or the first batch's
+    inputs (a batch of any structure has them if it is a pair `(inputs,
+    targets)`; an NNX module needs none).
+
+    Raises:
+        ConfigError: if a linen model's inputs cannot be found.
+    """
+    if input_sample is not None:
+        return normalize_group(input_sample, "input_sample")
+    if tree is None:
+        return sample[0]
+    given = tree.unflatten(sample)
+    if isinstance(given, (tuple, list)) and len(given) == 2:
+        return normalize_group(given[0], "the first batch's inputs")
+    if nnx_model:
+        return ()
+    raise ConfigError(
+        "With compute_loss, the model is initialized with input_sample: pass "
+        "TrainLoop(..., input_sample=x), x inputs of the model (a batch of them); "
+        f"the first batch is {jax.tree.map(np.shape, given)}, not a pair (inputs, targets)."
+    )

@@ -26,16 +26,19 @@ def call_apply(
     inputs: tuple[Any, ...],
     rngs: dict[str, jax.Array],
     mutable: CollectionFilter,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    r"""`apply(variables, *inputs, rngs=rngs[, mutable=mutable])` as
-    `(outputs, mutated collections but params)`, its contract violations
-    turned into `ApplyError` exceptions that say what to pass."""
+    keywords: Mapping[str, Any] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    r"""`apply(variables, *inputs, rngs=rngs[, mutable=mutable], **keywords)`
+    as `(what the model returned, mutated collections but params)`, its
+    contract violations turned into `ApplyError` exceptions that say what
+    to pass (`as_outputs` makes the result a tuple of outputs)."""
     mutated: dict[str, Any] = {}
+    keywords = keywords or {}
     try:
         if mutable in (False, None):
-            result = apply(variables, *inputs, rngs=rngs)
+            result = apply(variables, *inputs, rngs=rngs, **keywords)
         else:
-            result = apply(variables, *inputs, rngs=rngs, mutable=mutable)
+            result = apply(variables, *inputs, rngs=rngs, mutable=mutable, **keywords)
             if not (
                 isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)
             ):
@@ -63,7 +66,12 @@ def call_apply(
             f"apply does); calling it raised TypeError: {error}. Wrap a plain function: "
             "apply=lambda variables, *x, rngs=None, mutable=False: ..."
         ) from error
-    return (result if isinstance(result, tuple) else (result,)), mutated
+    return result, mutated
+
+
+def as_outputs(result: Any) -> tuple[Any, ...]:
+    r"""A model's result as the tuple of outputs `loss(*outputs, *targets)` takes."""
+    return result if isinstance(result, tuple) else (result,)
 
 
 def _describe(value: Any) -> str:

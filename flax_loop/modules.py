@@ -60,6 +60,9 @@ class NNXModel:
     def __init__(self, module: nnx.Module, train: bool) -> None:
         from flax import nnx
 
+        if nnx.state(module, nnx.Intermediate):  # values sown before: not state
+            module = nnx.clone(module)
+            nnx.pop(module, nnx.Intermediate)
         self.graphdef, params, self._rng_state, rest = _split(module)
         self._params = nnx.to_pure_dict(params)
         self._rest = nnx.to_pure_dict(rest)
@@ -95,26 +98,69 @@ class NNXModel:
     ) -> Any:
         r"""`module(*inputs)`, as linen's `apply`: the outputs, and with
         `mutable` the module's new state (`(outputs, {...})`)."""
-        from flax import nnx
+        bound = self.bind(variables, rngs or {})
+        outputs = bound.outputs(*inputs)
+        return outputs if mutable in (False, None) else (outputs, bound.state())
 
+    @property
+    def params_state(self) -> nnx.State:
+        r"""the parameters as an `nnx.State` of variables (what NNX filters see)."""
+        return self._templates[0]
+
+    def bind(self, variables: Any, rngs: dict[str, jax.Array], carries: bool = True) -> BoundNNX:
+        r"""A new module holding `variables`, its RNG streams reseeded from
+        `rngs`; `carries`: whether the step carries its changed state."""
         module = self.module(variables)
-        rngs = dict(rngs or {})
         if rngs:
             _reseed(module, rngs.get(DEFAULT_STREAM, next(iter(rngs.values()))))
-        if self._takes_rngs and rngs:
-            outputs = module(*inputs, rngs=nnx.Rngs(**rngs))
-        else:
-            outputs = module(*inputs)
-        if mutable in (False, None):
-            return outputs
-        return outputs, nnx.to_pure_dict(_split(module)[3])
+        return BoundNNX(module, rngs, self._takes_rngs, carries)
+
+
+class BoundNNX:
+    r"""An NNX module of the step, holding the step's variables.
+
+    Args:
+        module: the module (`model` to a `compute_loss`).
+        rngs: the step's keys by label.
+        takes_rngs: whether the module's `__call__` takes `rngs=`.
+        carries: whether the step carries the module's changed state.
+    """
+
+    def __init__(
+        self, module: nnx.Module, rngs: dict[str, jax.Array], takes_rngs: bool, carries: bool
+    ) -> None:
+        self.model = module
+        self._rngs, self._takes_rngs, self._carries = rngs, takes_rngs, carries
+
+    def outputs(self, *inputs: Any) -> Any:
+        r"""`module(*inputs)` (with `rngs=nnx.Rngs(...)` if it takes them)."""
+        from flax import nnx
+
+        if self._takes_rngs and self._rngs:
+            return self.model(*inputs, rngs=nnx.Rngs(**self._rngs))
+        return self.model(*inputs)
+
+    def state(self) -> Any:
+        r"""The module's state but parameters, RNG streams and sown values, as
+        a pure dict (what the step carries)."""
+        from flax import nnx
+
+        return nnx.to_pure_dict(_split(self.model)[3])
+
+    def collected(self) -> Any:
+        r"""What the step carries: the module's `state()`, if it carries any."""
+        return self.state() if self._carries else {}
 
 
 def _split(module: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
-    r"""The graph definition, parameters, RNG state and other state of a module."""
+    r"""The graph definition, parameters, RNG state and other state of a
+    module; values sown with `self.sow` (`nnx.Intermediate`) are left out."""
     from flax import nnx
 
-    return nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[return-value]
+    graphdef, params, rng_state, _, rest = nnx.split(  # type: ignore[misc]
+        module, nnx.Param, nnx.RngState, nnx.Intermediate, ...
+    )
+    return graphdef, params, rng_state, rest
 
 
 def _state(template: nnx.State, values: Any) -> nnx.State:

@@ -93,6 +93,18 @@ def step_keys(
     return into_collection(per_device, labels)
 
 
+LOSS_STREAM = 2**31 - 1
+r"""What `loss_key` folds into a step's key on a device: no RNG label's index
+(`into_collection` folds in 0, 1, ...) comes near it."""
+
+
+def loss_key(key: jax.Array, step: jax.Array, device_index: int | jax.Array) -> jax.Array:
+    r"""The key `compute_loss(..., rng=...)` gets for one step on one device,
+    apart from the model's RNG collections (`step_keys`)."""
+    per_device = jax.random.fold_in(jax.random.fold_in(key, step), device_index)
+    return jax.random.fold_in(per_device, LOSS_STREAM)
+
+
 def into_sequence(key: Any) -> KeyGenerator:
     r"""An endless generator of fresh keys split from `key`.
 

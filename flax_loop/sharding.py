@@ -146,7 +146,7 @@ def state_shardings(
     sharding: Sharding,
     placement: Placement,
     state: TrainState,
-    optimizer: optax.GradientTransformation,
+    optimizer: Any,
     fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
 ) -> TrainState:
     r"""A `NamedSharding` for every leaf of the state (a `TrainState` of them).
@@ -154,7 +154,8 @@ def state_shardings(
     The parameters get their specs. With `"fsdp"` every optimizer-state leaf
     gets the FSDP layout of its own shape (a moment is laid out as its
     parameter); with a rule, each optimizer-state leaf that mirrors a
-    parameter (Adam's moments, say) gets that parameter's. Everything else
+    parameter (Adam's moments, say) gets that parameter's. `optimizer` is
+    an optax optimizer or an `Objective` (several optimizers, trainable parts). Everything else
     (the model's other collections, counters, step counts) is replicated.
     """
     mesh, replicated = placement.mesh, placement.replicated
@@ -172,6 +173,10 @@ def state_shardings(
     elif sharding == "fsdp":
         optimizer_state = named(
             parameter_specs("fsdp", placement, state.optimizer_state, fsdp_min_bytes)
+        )
+    elif hasattr(optimizer, "optimizer_shardings"):  # an Objective: each part's own
+        optimizer_state = optimizer.optimizer_shardings(
+            _follow_parameters, state.optimizer_state, state.model_params, params, replicated
         )
     else:
         optimizer_state = _follow_parameters(

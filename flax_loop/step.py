@@ -24,10 +24,11 @@ from flax.core.scope import CollectionFilter
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.batch import Batch
-from flax_loop.model import call_apply, split_loss
+from flax_loop.model import split_loss
+from flax_loop.objective import Objective, Part, StepInputs, supervised_loss
 from flax_loop.packing import LayoutChanged, Packing, on_packed
 from flax_loop.parallel import DATA_AXIS, Placement
-from flax_loop.random import step_keys
+from flax_loop.random import loss_key, step_keys
 from flax_loop.state import (
     TrainState,
     all_finite,
@@ -65,7 +66,8 @@ def build_update(
     shards: NamedSharding | None = None,
     ema_decay: float | None = None,
 ) -> Update:
-    r"""The update of one step, as seen by one device (or, with `shards`, by all).
+    r"""The update of a supervised step, `loss(*outputs, *targets)` with one
+    optimizer over every parameter (`build_step` of that objective).
 
     Args:
         apply: the model's apply function.
@@ -73,6 +75,30 @@ def build_update(
         optimizer: the optimizer.
         rng_labels: RNG collections to derive keys for (e.g. `["dropout"]`).
         mutable_collections: the collections `apply` may change.
+        axis_name, skip_nonfinite, shards, ema_decay: as `build_step` takes them.
+    """
+    parts = [Part(None, supervised_loss(loss), optimizer, None)]
+    objective = Objective(parts, apply, rng_labels, mutable_collections, supervised=True)
+    return build_step(objective, axis_name, skip_nonfinite, shards, ema_decay)
+
+
+def build_step(
+    objective: Objective,
+    axis_name: str | None,
+    skip_nonfinite: bool = False,
+    shards: NamedSharding | None = None,
+    ema_decay: float | None = None,
+) -> Update:
+    r"""The update of one step, as seen by one device (or, with `shards`, by all).
+
+    Each of the objective's parts, in order, computes its loss with the
+    model bound to the current variables, its gradient with respect to its
+    trainable parameters, and applies its optimizer; a later part sees what
+    an earlier one updated. The step's loss is the sum of the parts' losses;
+    with several parts each one's loss is also a metric, `<name>_loss`.
+
+    Args:
+        objective: the step's parts, model and frozen models.
         axis_name: the mesh axis to average over; `None` on one device.
         skip_nonfinite: leave the parameters, the optimizer state and the
             model state as they were when the loss or a gradient is not
@@ -91,26 +117,57 @@ def build_update(
             applied update.
 
     Returns:
-        `update(state, batch, key) -> (state, (loss, grads))`.
+        `update(state, batch, inputs) -> (state, (loss, grads))`, `inputs` a
+        `StepInputs` (or, without frozen models, the training key alone);
+        `grads` the last part's gradients, or with several parts a dict of
+        each part's by name.
     """
+    per_device_shapes = axis_name is not None
 
     def forward(
-        params: Any, model_state: Any, batch: Batch, rngs: dict[str, jax.Array]
+        trainable: Any,
+        params: Any,
+        model_state: Any,
+        batch: Batch,
+        keys: tuple[dict[str, jax.Array], jax.Array],
+        step: jax.Array,
+        frozen: Any,
+        index: int,
     ) -> tuple[jax.Array, Any]:
-        inputs, targets = batch
-        variables = {"params": params, **model_state}
-        outputs, mutated = call_apply(apply, variables, inputs, rngs, mutable_collections)
-        loss_value, metrics = split_loss(loss(*outputs, *targets), axis_name is not None)
-        return loss_value, (mutated, metrics)
+        part, partition = objective.parts[index], partitions[index]
+        rngs, rng = keys
+        bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
+        result = objective.call_loss(part, bound, batch, rng, step, frozen)
+        loss_value, metrics = split_loss(result, per_device_shapes)
+        return loss_value, (bound.collected(), metrics)
 
     def per_device(
-        params: Any, model_state: Any, batch: Batch, key: jax.Array, step: jax.Array
+        trainable: Any,
+        params: Any,
+        model_state: Any,
+        batch: Batch,
+        key: jax.Array,
+        step: jax.Array,
+        frozen: Any,
+        index: int,
     ) -> tuple[jax.Array, Any]:
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
-        return forward(params, model_state, batch, step_keys(key, step, device_index, rng_labels))
+        rngs = step_keys(key, step, device_index, objective.rng_labels)
+        rng = loss_key(key, step, device_index)
+        if index:  # a later part draws numbers of its own
+            rngs = {label: jax.random.fold_in(k, index) for label, k in rngs.items()}
+            rng = jax.random.fold_in(rng, index)
+        return forward(trainable, params, model_state, batch, (rngs, rng), step, frozen, index)
 
     def over_shards(
-        params: Any, model_state: Any, batch: Batch, key: jax.Array, step: jax.Array
+        trainable: Any,
+        params: Any,
+        model_state: Any,
+        batch: Batch,
+        key: jax.Array,
+        step: jax.Array,
+        frozen: Any,
+        index: int,
     ) -> tuple[jax.Array, Any]:
         assert shards is not None and axis_name is not None
         n_shards = shards.mesh.shape[axis_name]
@@ -119,7 +176,10 @@ def build_update(
         )
         split = jax.lax.with_sharding_constraint(split, shards)
         losses, (mutated, metrics) = jax.vmap(
-            lambda shard: per_device(params, model_state, shard, key, step), axis_name=axis_name
+            lambda shard: per_device(
+                trainable, params, model_state, shard, key, step, frozen, index
+            ),
+            axis_name=axis_name,
         )(split)
         # pmean semantics: floating leaves averaged over the shards, integer
         # ones (counters) as shard 0 has them.
@@ -129,14 +189,25 @@ def build_update(
         )
         return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics))
 
-    gradient = jax.value_and_grad(per_device if shards is None else over_shards, has_aux=True)
+    gradient = jax.value_and_grad(
+        per_device if shards is None else over_shards, has_aux=True, argnums=0
+    )
+    partitions: list[Any] = []
 
-    def update(
-        state: TrainState, batch: Batch, key: jax.Array
-    ) -> tuple[TrainState, tuple[jax.Array, Any]]:
-        step = state.counters[0] + 1
+    def run_part(
+        index: int,
+        params: Any,
+        model_state: Any,
+        optimizer_state: Any,
+        batch: Batch,
+        key: jax.Array,
+        step: jax.Array,
+        frozen: Any,
+    ) -> tuple[Any, ...]:
+        partition = partitions[index]
+        trainable = partition.split(params)
         (loss_value, (mutated, metrics)), grads = gradient(
-            state.model_params, state.model_state, batch, key, step
+            trainable, params, model_state, batch, key, step, frozen, index
         )
         if axis_name and shards is None:
             loss_value, grads, metrics = jax.lax.pmean((loss_value, grads, metrics), axis_name)
@@ -146,13 +217,42 @@ def build_update(
         # variant and not in the other, and their results differed in the
         # last bits (a BatchNorm MLP's parameters by 4e-2 after 24 steps), so
         # a run depended on its checkpoint cadence. Materialized, the
-        # gradients are computed alike everywhere; measured free (MLP
-        # 64-32-10 per step 1.00, 784-512-512-10 1.00).
+        # gradients are computed alike everywhere (measured free:
+        # benchmarks/README.md).
         grads = jax.lax.optimization_barrier(grads)
-        updates, optimizer_state = optimizer.update(
-            grads, state.optimizer_state, state.model_params
+        updates, optimizer_state = objective.parts[index].optimizer.update(
+            grads, optimizer_state, trainable
         )
-        params = optax.apply_updates(state.model_params, updates)
+        params = partition.merge(params, optax.apply_updates(trainable, updates))
+        return loss_value, metrics, grads, params, {**model_state, **mutated}, optimizer_state
+
+    def update(
+        state: TrainState, batch: Batch, inputs: Any
+    ) -> tuple[TrainState, tuple[jax.Array, Any]]:
+        key, frozen = inputs if isinstance(inputs, StepInputs) else (inputs, None)
+        if not partitions:
+            partitions.extend(objective.partitions(state.model_params))
+        step = state.counters[0] + 1
+        params, model_state = state.model_params, state.model_state
+        optimizer_states = objective.of_parts(state.optimizer_state)
+        losses, all_grads, metrics = [], [], {}
+        for index, part in enumerate(objective.parts):
+            loss_value, part_metrics, grads, params, model_state, optimizer_states[index] = (
+                run_part(
+                    index, params, model_state, optimizer_states[index], batch, key, step, frozen
+                )
+            )
+            losses.append(loss_value)
+            all_grads.append(grads)
+            if part.name is None:
+                metrics.update(part_metrics)
+            else:
+                metrics[f"{part.name}_loss"] = loss_value.astype(jnp.float32)
+                metrics.update({f"{part.name}_{name}": v for name, v in part_metrics.items()})
+        loss_value = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
+        grads = objective.by_part(all_grads)
+        optimizer_state = objective.by_part(optimizer_states)
+        mutated = {name: model_state[name] for name in model_state if name in state.model_state}
         # Checking every gradient each step costs ~10% of an MLP's step, so the
         # step checks its loss; a non-finite gradient shows up in the next loss
         # and, at the latest, at the checkpoint (`close_interval`).
@@ -161,7 +261,7 @@ def build_update(
             finite = finite & all_finite(grads)
             params = _keep_if(finite, params, state.model_params)
             optimizer_state = _keep_if(finite, optimizer_state, state.optimizer_state)
-            mutated = _keep_if(finite, mutated, {name: state.model_state[name] for name in mutated})
+            mutated = _keep_if(finite, mutated, state.model_state)
         ema_params = state.ema_params
         if ema_decay is not None:
             ema_params = jax.tree.map(
@@ -181,7 +281,7 @@ def build_update(
         new_state = state._replace(
             counters=counters,
             model_params=params,
-            model_state={**state.model_state, **mutated},
+            model_state=mutated,
             optimizer_state=optimizer_state,
             ema_params=ema_params,
             loss_sum=state.loss_sum + jnp.where(finite, loss_value, 0.0),
@@ -211,6 +311,7 @@ def lower_update(
     shardings: TrainState | None = None,
     closing: bool = False,
     packing: Packing | None = None,
+    grads_like: Callable[[Any], Any] | None = None,
 ) -> jax.stages.Lowered:
     r"""Lowers the update for the placement, donating the state: the program
     to compile (tracing errors of the model or the loss are raised here).
@@ -240,6 +341,9 @@ def lower_update(
             runs as the single closing step does.
         packing: the layout the state is packed in (`state` is then the
             packed state, taken and returned so), or `None`.
+        grads_like: maps a tree shaped as the parameters to one shaped as
+            the gradients (`Objective.grads_like`: trainable parts, several
+            optimizers'); the parameters' shape by default.
 
     Returns:
         the lowered `update(state, batch, key) -> (state, loss)`, or
@@ -316,7 +420,8 @@ def lower_update(
         jitted = jax.jit(steps, donate_argnums=0, out_shardings=replicated)
     else:
         batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
-        outputs = (shardings, replicated, shardings.model_params, replicated)
+        grads_shardings = (grads_like or (lambda tree: tree))(shardings.model_params)
+        outputs = (shardings, replicated, grads_shardings, replicated)
         n_outputs = 4 if closing else 3 if with_grads else 2
         jitted = jax.jit(
             steps,

@@ -8,6 +8,8 @@ import optax
 
 from flax_loop.batch import DataStream
 from flax_loop.errors import ConfigError
+from flax_loop.modules import is_nnx
+from flax_loop.objective import LossFn, check_compute_loss
 
 MetricFn = Callable[..., Any]
 
@@ -29,17 +31,63 @@ class TrainTask:
     optimizer: optax.GradientTransformation
     r"""an optax optimizer."""
 
-    loss: Callable[..., Any]
-    r"""a loss function, called as `loss(*outputs, *targets)`; returns a scalar."""
+    loss: Callable[..., Any] | None = None
+    r"""a loss function, called as `loss(*outputs, *targets)`; returns a
+    scalar, or `(scalar, {name: scalar})` to report training metrics.
+    Give it or `compute_loss`."""
 
-    data: DataStream
+    data: DataStream = None  # type: ignore[assignment]
     r"""an iterator or iterable of batches.
 
-    A batch holds inputs and targets, each one array or several, in one of
-    the forms `(x, y)`, `((x, ...), (y, ...))` or `((x, ...), ())`, as tuples
-    or lists. Inputs are passed as `apply(variables, *inputs)`; the model's
-    outputs `(o, ...)` and the targets as `loss(o, ..., y, ...)`.
+    With `loss`, a batch holds inputs and targets, each one array or
+    several, in one of the forms `(x, y)`, `((x, ...), (y, ...))` or
+    `((x, ...), ())`, as tuples or lists. Inputs are passed as
+    `apply(variables, *inputs)`; the model's outputs `(o, ...)` and the
+    targets as `loss(o, ..., y, ...)`. With `compute_loss`, a batch is any
+    pytree of arrays with a leading batch axis (a dict works), given to it
+    as the stream gave it.
     """
+
+    compute_loss: LossFn | Mapping[str, LossFn] | None = None
+    r"""instead of `loss`: `compute_loss(model, batch, *, rng, step)`
+    returning a scalar loss or `(loss, {name: scalar})`.
+
+    `model` is the model in training mode holding the step's variables: an
+    NNX module, or for linen a callable, `model(*inputs, **kwargs)` applying
+    them (`method=` and any other keyword pass through; collections such as
+    `batch_stats` change and carry over as in training). It may be called
+    several times (each call draws its own dropout) and differentiated
+    through. `batch` is the stream's batch, `rng` a key of this step and
+    device (`jax.random.normal(rng, ...)`), `step` the step's number (a
+    traced int, 1 for the first). With `frozen`, it also takes `frozen=`.
+
+    Sown values reach the loss: linen's `self.sow("intermediates", ...)`
+    (or any collection the variables lack) fills `model.sown` after a call
+    (`model.sown["intermediates"]`); for NNX, call the module through
+    `nnx.capture(model, nnx.Intermediate)(x)` (or read what `self.sow`
+    stored on it). Sown values are never carried from step to step.
+
+    A dict by name, with `optimizer` a dict of the same names: each step
+    runs them in the dict's order, each differentiated with respect to its
+    `trainable` parameters and applied with its optimizer, a later one
+    seeing the parameters an earlier one updated (a GAN's discriminator,
+    then its generator). The step's loss is their sum; each one's is the
+    training metric `<name>_loss`."""
+
+    trainable: Any = None
+    r"""which parameters train (`None`: all): a filter `fn(path, leaf) ->
+    bool` (`path` the keys to the leaf, such as `("Dense_0", "kernel")`), a
+    key name, a list of filters, or for an NNX module any NNX filter (a
+    `Variable` type such as `nnx.LoRAParam`, `nnx.PathContains(...)`).
+    Frozen parameters get no gradient and no optimizer state and never
+    change. With several optimizers, a dict of filters by their names."""
+
+    frozen: Any = None
+    r"""frozen models (a teacher) or pytrees, by name: `{"teacher": module}`.
+    They live on the devices beside the state, never change and are not
+    saved in checkpoints; `compute_loss` gets them as `frozen=` (NNX modules
+    in evaluation mode; a linen model's variables as given: call its
+    `apply` on them)."""
 
 
 @dataclass
@@ -75,22 +123,64 @@ def check_train_task(task: Any) -> TrainTask:
     Raises:
         ConfigError: naming what is missing or of the wrong kind.
     """
-    missing = [name for name in ("apply", "optimizer", "loss", "data") if not hasattr(task, name)]
+    missing = [name for name in ("apply", "optimizer", "data") if getattr(task, name, None) is None]
+    loss, compute_loss = getattr(task, "loss", None), getattr(task, "compute_loss", None)
+    if loss is None and compute_loss is None:
+        missing.append("loss (or compute_loss)")
     if missing:
         raise ConfigError(
-            f"task must be a TrainTask(apply, optimizer, loss, data); got "
-            f"{type(task).__name__} without {', '.join(missing)}."
+            f"task must be a TrainTask(apply, optimizer, loss, data) (or with "
+            f"compute_loss= instead of loss); got {type(task).__name__} without "
+            f"{', '.join(missing)}."
         )
-    for name in ("apply", "loss"):
-        if not callable(getattr(task, name)):
-            raise ConfigError(f"task.{name} must be callable; got {getattr(task, name)!r}.")
-    optimizer = task.optimizer
-    if not (
-        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
-    ):
+    if loss is not None and compute_loss is not None:
         raise ConfigError(
-            f"task.optimizer must be an optax.GradientTransformation (with init "
-            f"and update), such as optax.adam(1e-3); got {optimizer!r} of type "
-            f"{type(optimizer).__name__}."
+            "task has both loss and compute_loss; give one: loss(*outputs, *targets), "
+            "or compute_loss(model, batch, *, rng, step) for a loss that calls the model."
         )
+    if not (callable(task.apply) or is_nnx(task.apply)):
+        raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
+    if loss is not None and not callable(loss):
+        raise ConfigError(f"task.loss must be callable; got {loss!r}.")
+    frozen = getattr(task, "frozen", None)
+    if frozen is not None and compute_loss is None:
+        raise ConfigError(
+            "task.frozen is given to compute_loss(..., frozen=...); a task with "
+            "loss(*outputs, *targets) cannot use it. Pass compute_loss instead of loss."
+        )
+    optimizers = task.optimizer if isinstance(task.optimizer, Mapping) else {None: task.optimizer}
+    if not optimizers:
+        raise ConfigError("task.optimizer is an empty dict; give at least one optimizer.")
+    for name, optimizer in optimizers.items():
+        where = "task.optimizer" + ("" if name is None else f"[{name!r}]")
+        if not (
+            callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))
+        ):
+            raise ConfigError(
+                f"{where} must be an optax.GradientTransformation (with init "
+                f"and update), such as optax.adam(1e-3); got {optimizer!r} of type "
+                f"{type(optimizer).__name__}."
+            )
+    keyed = isinstance(task.optimizer, Mapping)
+    names = list(optimizers)
+    for field in ("compute_loss", "trainable"):
+        value = getattr(task, field, None)
+        if not isinstance(value, Mapping):
+            continue
+        if not keyed:
+            raise ConfigError(
+                f"task.{field} is a dict by name ({list(value)}); task.optimizer must then "
+                f"be a dict of the same names (one optimizer each); got {task.optimizer!r}."
+            )
+        if list(value) != names:
+            raise ConfigError(
+                f"task.{field} names {list(value)} but task.optimizer names {names}: "
+                "give both the same names, in the order each step runs them."
+            )
+    if loss is None:
+        losses = compute_loss if isinstance(compute_loss, Mapping) else {None: compute_loss}
+        for name, fn in losses.items():
+            where = "task.compute_loss" + ("" if name is None else f"[{name!r}]")
+            check_compute_loss(fn, where, frozen is not None)
     return task

@@ -1,0 +1,371 @@
+r"""What one step optimizes: its losses, their optimizers and trainable parts.
+
+A task's step is one or several `Part`s, run in order: each computes its
+loss with the model bound to the current variables, differentiates it with
+respect to its trainable parameters, and applies its optimizer, so a later
+part sees the parameters an earlier one updated (a GAN's discriminator,
+then its generator). A task with `loss(*outputs, *targets)` is one part
+whose loss calls the model on the batch's inputs.
+
+The model a loss sees (`Bound`): for an NNX module a new module holding the
+step's variables; for linen a `LinenModel`, a callable that applies them.
+Frozen models (`TrainTask(frozen=...)`) travel to the devices as arrays and
+become models again inside the step, in evaluation mode.
+
+>>> objective = Objective.of(task, model.apply, rng_labels=[], mutable_collections=False)
+>>> [part.name for part in objective.parts]
+[None]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from flax.core.scope import CollectionFilter, in_filter, union_filters
+
+from flax_loop.batch import Batch, BatchTree
+from flax_loop.errors import ConfigError
+from flax_loop.model import as_outputs, call_apply
+from flax_loop.modules import NNXModel, is_nnx
+from flax_loop.trainable import Partition, union
+
+SOWN = "intermediates"
+r"""The collection linen's `self.sow` writes to by default: never state."""
+
+
+class StepInputs(NamedTuple):
+    r"""What every step takes besides the state and the batch: the run's
+    training key and the frozen models' arrays (replicated on the devices,
+    never donated)."""
+
+    key: jax.Array
+    frozen: Any = None
+
+
+class LinenModel:
+    r"""A linen model bound to the step's variables, as `compute_loss` gets it.
+
+    `model(*args, **kwargs)` is `apply(variables, *args, **kwargs)` with the
+    step's RNG keys (a later call in the same step draws new ones) and any
+    keyword such as `method=`. Collections the model changes (`batch_stats`)
+    carry over to the next call and the next step; values sown with
+    `self.sow` (into `intermediates`, or any collection the state lacks) are
+    in `model.sown`, by collection, as the latest call left them.
+
+    Attributes:
+        params: the parameters (what the loss differentiates).
+        state: the other collections, as the latest call left them.
+        sown: the collections sown by the latest call.
+    """
+
+    def __init__(
+        self,
+        apply: Callable[..., Any],
+        params: Any,
+        state: Mapping[str, Any],
+        rngs: dict[str, jax.Array],
+        mutable: CollectionFilter,
+    ) -> None:
+        self._apply, self._rngs, self._mutable = apply, rngs, mutable
+        self.params = params
+        self.state = dict(state)
+        self.sown: dict[str, Any] = {}
+        self._changed: set[str] = set()
+        self._calls = 0
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        r"""`{"params": ..., **state}`, as linen's `apply` takes them."""
+        return {"params": self.params, **self.state}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rngs = self._rngs
+        if self._calls:  # each call of a step draws its own numbers
+            rngs = {label: jax.random.fold_in(key, self._calls) for label, key in rngs.items()}
+        self._calls += 1
+        mutable = self._mutable
+        if mutable not in (False, None):  # a model without state keeps its own contract
+            mutable = union_filters(mutable, SOWN)
+        result, mutated = call_apply(self._apply, self.variables, args, rngs, mutable, kwargs)
+        sown = {}
+        for name, value in mutated.items():
+            if name in self.state:
+                if in_filter(self._mutable, name):
+                    self.state[name] = value
+                    self._changed.add(name)
+            else:
+                sown[name] = value
+        self.sown = sown
+        return result
+
+    def outputs(self, *inputs: Any) -> Any:
+        r"""`model(*inputs)`: what a supervised loss takes its outputs from."""
+        return self(*inputs)
+
+    @property
+    def model(self) -> LinenModel:
+        return self
+
+    def collected(self) -> dict[str, Any]:
+        r"""The collections the calls changed (what the step carries)."""
+        return {name: self.state[name] for name in self._changed}
+
+
+LossFn = Callable[..., Any]
+r"""`compute_loss(model, batch, *, rng, step) -> loss | (loss, metrics)`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    r"""One optimizer's share of a step."""
+
+    name: str | None
+    r"""its name in the task's dicts; `None` for a task of one optimizer."""
+
+    compute_loss: LossFn
+    r"""its loss, `compute_loss(model, batch, *, rng, step)`."""
+
+    optimizer: optax.GradientTransformation
+    r"""its optimizer."""
+
+    trainable: Any
+    r"""the filter of the parameters it trains (`None`: all)."""
+
+
+class Objective:
+    r"""A task's step: its parts in order, the model they call, and its frozen models.
+
+    Args:
+        parts: the parts, in the order each step runs them.
+        apply: the model's apply function or NNX module.
+        rng_labels: the RNG collections the model draws from.
+        mutable_collections: the collections training may change.
+        frozen: frozen models or pytrees by name, or `None`.
+        supervised: whether the parts' losses take `(inputs, targets)` batches
+            (a task's `loss`) rather than the batch as the stream gave it.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Part],
+        apply: Any,
+        rng_labels: Sequence[str],
+        mutable_collections: CollectionFilter,
+        frozen: Mapping[str, Any] | None = None,
+        supervised: bool = False,
+    ) -> None:
+        self.parts = tuple(parts)
+        self.keyed = self.parts[0].name is not None
+        self.rng_labels = list(rng_labels)
+        self.mutable_collections = mutable_collections
+        self.supervised = supervised
+        self.batch_tree: BatchTree | None = None
+        r"""the structure of the stream's batches (not supervised), set by the feed."""
+        self._nnx = NNXModel(apply, train=True) if is_nnx(apply) else None
+        self._apply = apply
+        self._frozen_names = None if frozen is None else list(frozen)
+        self._frozen_nnx = {
+            name: NNXModel(value, train=False)
+            for name, value in (frozen or {}).items()
+            if is_nnx(value)
+        }
+        self._frozen = frozen
+        self._partitions: list[Partition] | None = None
+        self._passes_frozen = frozen is not None
+
+    @classmethod
+    def of(
+        cls,
+        task: Any,
+        apply: Any,
+        rng_labels: Sequence[str],
+        mutable_collections: CollectionFilter,
+    ) -> Objective:
+        r"""The objective a (checked) `TrainTask` describes."""
+        compute_loss = getattr(task, "compute_loss", None)
+        supervised = compute_loss is None
+        losses: Any = supervised_loss(task.loss) if supervised else compute_loss
+        optimizer, trainable = task.optimizer, getattr(task, "trainable", None)
+        frozen = getattr(task, "frozen", None)
+        if frozen is not None and not isinstance(frozen, Mapping):
+            frozen = {"frozen": frozen}
+        if isinstance(optimizer, Mapping):
+            parts = [
+                Part(
+                    name,
+                    losses[name] if isinstance(losses, Mapping) else losses,
+                    optimizer[name],
+                    trainable.get(name) if isinstance(trainable, Mapping) else trainable,
+                )
+                for name in optimizer
+            ]
+        else:
+            parts = [Part(None, losses, optimizer, trainable)]
+        objective = cls(parts, apply, rng_labels, mutable_collections, frozen, supervised)
+        objective._passes_frozen = frozen is not None and not supervised
+        return objective
+
+    # -- parameters and optimizer states ------------------------------------
+
+    def partitions(self, params: Any) -> list[Partition]:
+        r"""Each part's trainable partition of `params` (computed once)."""
+        if self._partitions is None:
+            nnx_params = None if self._nnx is None else self._nnx.params_state
+            self._partitions = [
+                Partition.of(part.trainable, params, nnx_params) for part in self.parts
+            ]
+        return self._partitions
+
+    def trained(self, params: Any) -> Partition:
+        r"""The parameters some part trains."""
+        return union(self.partitions(params), params)
+
+    def init_optimizer(self, params: Any) -> Any:
+        r"""The optimizer state for `params`: one part's, or a dict by part name.
+
+        Raises:
+            ConfigError: if an optimizer cannot be initialized.
+        """
+        states = []
+        for part, partition in zip(self.parts, self.partitions(params)):
+            try:
+                states.append(part.optimizer.init(partition.split(params)))
+            except Exception as error:
+                named = "task.optimizer" + (f"[{part.name!r}]" if part.name is not None else "")
+                raise ConfigError(
+                    f"{named}.init failed with {type(error).__name__}: {error}. "
+                    "Pass an optax.GradientTransformation such as optax.adam(1e-3)."
+                ) from error
+        return self.by_part(states)
+
+    def by_part(self, values: Sequence[Any]) -> Any:
+        r"""Per-part values as the state holds them: a dict by name, or the one."""
+        if self.keyed:
+            return {part.name: value for part, value in zip(self.parts, values)}
+        return values[0]
+
+    def of_parts(self, value: Any) -> list[Any]:
+        r"""The inverse of `by_part`."""
+        if self.keyed:
+            return [value[part.name] for part in self.parts]
+        return [value]
+
+    def grads_like(self, params: Any) -> Any:
+        r"""A tree shaped as the gradients the step returns, from one shaped as
+        the parameters (each part's trainable part)."""
+        return self.by_part([partition.split(params) for partition in self.partitions(params)])
+
+    def optimizer_shardings(
+        self,
+        follow: Callable[..., Any],
+        optimizer_state: Any,
+        params: Any,
+        param_shardings: Any,
+        other: Any,
+    ) -> Any:
+        r"""The optimizer state's shardings, each part's following its parameters
+        (`follow(optimizer, state, params, shardings, other)`)."""
+        partitions = self.partitions(params)
+        return self.by_part(
+            [
+                follow(
+                    part.optimizer,
+                    state,
+                    partition.split(params),
+                    partition.split(param_shardings),
+                    other,
+                )
+                for part, partition, state in zip(
+                    self.parts, partitions, self.of_parts(optimizer_state)
+                )
+            ]
+        )
+
+    # -- the model and the frozen models inside the step --------------------
+
+    def bind(self, params: Any, model_state: Any, rngs: dict[str, jax.Array]) -> Any:
+        r"""The model holding the step's variables (`.model`, `.outputs`, `.collected()`)."""
+        if self._nnx is not None:
+            carries = self.mutable_collections not in (False, None)
+            return self._nnx.bind({"params": params, **model_state}, rngs, carries)
+        return LinenModel(self._apply, params, model_state, rngs, self.mutable_collections)
+
+    def frozen_arrays(self) -> Any:
+        r"""The frozen models as arrays, for the devices (`None` without any)."""
+        if self._frozen is None:
+            return None
+        return {
+            name: self._frozen_nnx[name].init(None) if name in self._frozen_nnx else value
+            for name, value in self._frozen.items()
+        }
+
+    def frozen_view(self, arrays: Any) -> dict[str, Any]:
+        r"""The frozen models of `frozen_arrays`, inside the step: NNX modules
+        in evaluation mode, anything else as it was given."""
+        return {
+            name: self._frozen_nnx[name].module(value) if name in self._frozen_nnx else value
+            for name, value in arrays.items()
+        }
+
+    def call_loss(
+        self, part: Part, bound: Any, batch: Batch, rng: jax.Array, step: jax.Array, frozen: Any
+    ) -> Any:
+        r"""What `part.compute_loss` returns for the batch."""
+        if self.supervised:
+            return part.compute_loss(bound, batch)
+        assert self.batch_tree is not None, "the feed sets the batches' structure"
+        given = self.batch_tree.unflatten(batch)
+        if self._passes_frozen:
+            return part.compute_loss(
+                bound.model, given, rng=rng, step=step, frozen=self.frozen_view(frozen)
+            )
+        return part.compute_loss(bound.model, given, rng=rng, step=step)
+
+
+def supervised_loss(loss: Callable[..., Any]) -> Callable[[Any, Batch], Any]:
+    r"""`loss(*outputs, *targets)` as a step's loss: the model called on the
+    batch's inputs."""
+
+    def compute_loss(bound: Any, batch: Batch) -> Any:
+        inputs, targets = batch
+        return loss(*as_outputs(bound.outputs(*inputs)), *targets)
+
+    return compute_loss
+
+
+def check_compute_loss(compute_loss: Any, name: str, frozen: bool) -> None:
+    r"""Checks that `compute_loss` takes `(model, batch, *, rng, step[, frozen])`.
+
+    Raises:
+        ConfigError: naming what the signature lacks.
+    """
+    if not callable(compute_loss):
+        raise ConfigError(f"{name} must be callable; got {compute_loss!r}.")
+    try:
+        signature = inspect.signature(compute_loss)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: it will be called as documented
+    keywords = ["rng", "step"] + (["frozen"] if frozen else [])
+    parameters = signature.parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        keywords = []
+    missing = [keyword for keyword in keywords if keyword not in signature.parameters]
+    positional = [
+        parameter
+        for parameter in parameters
+        if parameter.kind
+        in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    varargs = any(parameter.kind is inspect.Parameter.VAR_POSITIONAL for parameter in parameters)
+    if missing or (len(positional) < 2 and not varargs):
+        raise ConfigError(
+            f"{name} must be compute_loss(model, batch, *, rng, step"
+            f"{', frozen' if frozen else ''}) -> loss or (loss, metrics); "
+            f"{compute_loss!r} has the signature {signature}"
+            f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}."
+        )
