@@ -59,7 +59,7 @@ class TrainTask:
     several times (each call draws its own dropout) and differentiated
     through. `batch` is the stream's batch, `rng` a key of this step and
     device (`jax.random.normal(rng, ...)`), `step` the step's number (a
-    traced int, 1 for the first). With `frozen`, it also takes `frozen=`.
+    traced int, 1 for the first). With `frozen`, it also takes `frozen`.
 
     Sown values reach the loss: linen's `self.sow("intermediates", ...)`
     (or any collection the variables lack) fills `model.sown` after a call
@@ -83,11 +83,11 @@ class TrainTask:
     change. With several optimizers, a dict of filters by their names."""
 
     frozen: Any = None
-    r"""frozen models (a teacher) or pytrees, by name: `{"teacher": module}`.
-    They live on the devices beside the state, never change and are not
-    saved in checkpoints; `compute_loss` gets them as `frozen=` (NNX modules
-    in evaluation mode; a linen model's variables as given: call its
-    `apply` on them)."""
+    r"""frozen models (a teacher) or pytrees, by name, such as
+    `{"teacher": module}`. They live on the devices beside the state, never
+    change and are not saved in checkpoints. `compute_loss` gets them as its
+    keyword argument `frozen`: NNX modules in evaluation mode, anything else
+    (a linen model's variables) as given."""
 
 
 @dataclass
