@@ -173,3 +173,14 @@ def test_readme_use_section_runs(tmp_path, monkeypatch):
         f"regular.{loop.n_steps - loop.n_steps_per_checkpoint}.ckpt",
         f"regular.{loop.n_steps}.ckpt",
     }
+
+
+def test_the_beyond_supervised_guide_runs_as_written(capsys):
+    # every python block of the guide is a complete program
+    text = open(os.path.join(ROOT, "docs", "guides", "beyond_supervised.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 5
+    for block in blocks:
+        exec(compile(block, "beyond_supervised.md", "exec"), {"__name__": "guide"})
+    printed = capsys.readouterr().out
+    assert "['discriminator', 'generator']" in printed
