@@ -48,7 +48,7 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
     assert guides == sorted(
         f"{name}.html"
         for name in (
-            "getting_started", "iterator", "models", "data", "checkpoints",
+            "getting_started", "iterator", "models", "data", "checkpoints", "beyond_supervised",
             "devices", "interruptions", "speed", "migrating",
         )
     )  # fmt: skip
