@@ -168,7 +168,6 @@ class Objective:
         r"""the structure of the stream's batches (not supervised), set by the feed."""
         self._nnx = NNXModel(apply, train=True) if is_nnx(apply) else None
         self._apply = apply
-        self._frozen_names = None if frozen is None else list(frozen)
         self._frozen_nnx = {
             name: NNXModel(value, train=False)
             for name, value in (frozen or {}).items()
@@ -176,7 +175,7 @@ class Objective:
         }
         self._frozen = frozen
         self._partitions: list[Partition] | None = None
-        self._passes_frozen = frozen is not None
+        self._passes_frozen = frozen is not None and not supervised
 
     @classmethod
     def of(
@@ -206,9 +205,7 @@ class Objective:
             ]
         else:
             parts = [Part(None, losses, optimizer, trainable)]
-        objective = cls(parts, apply, rng_labels, mutable_collections, frozen, supervised)
-        objective._passes_frozen = frozen is not None and not supervised
-        return objective
+        return cls(parts, apply, rng_labels, mutable_collections, frozen, supervised)
 
     # -- parameters and optimizer states ------------------------------------
 

@@ -124,23 +124,6 @@ def build_step(
     """
     per_device_shapes = axis_name is not None
 
-    def forward(
-        trainable: Any,
-        params: Any,
-        model_state: Any,
-        batch: Batch,
-        keys: tuple[dict[str, jax.Array], jax.Array],
-        step: jax.Array,
-        frozen: Any,
-        index: int,
-    ) -> tuple[jax.Array, Any]:
-        part, partition = objective.parts[index], partitions[index]
-        rngs, rng = keys
-        bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
-        result = objective.call_loss(part, bound, batch, rng, step, frozen)
-        loss_value, metrics = split_loss(result, per_device_shapes)
-        return loss_value, (bound.collected(), metrics)
-
     def per_device(
         trainable: Any,
         params: Any,
@@ -157,7 +140,11 @@ def build_step(
         if index:  # a later part draws numbers of its own
             rngs = {label: jax.random.fold_in(k, index) for label, k in rngs.items()}
             rng = jax.random.fold_in(rng, index)
-        return forward(trainable, params, model_state, batch, (rngs, rng), step, frozen, index)
+        part, partition = objective.parts[index], partitions[index]
+        bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
+        result = objective.call_loss(part, bound, batch, rng, step, frozen)
+        loss_value, metrics = split_loss(result, per_device_shapes)
+        return loss_value, (bound.collected(), metrics)
 
     def over_shards(
         trainable: Any,
