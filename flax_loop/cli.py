@@ -1,12 +1,14 @@
 r"""`flax-loop`: what is in a checkpoint directory, which file is good, which resumes.
 
     flax-loop ls DIR        a table of the checkpoints: step, kind, size, time, status, resume
-    flax-loop verify DIR    every checksum; exit 0 if all intact, 1 naming each that is not
+    flax-loop verify DIR    every checksum; exit 1 naming each damaged checkpoint, else 0
     flax-loop show PATH     a checkpoint's metadata and its arrays
 
 (also `python -m flax_loop ...`). Works on directories of checkpoint files
 and on Orbax directories written by `OrbaxCheckpointWriter`. A bad argument
-prints the usage and exits with 2.
+prints the usage and exits with 2. `verify` names an Orbax step that an
+interrupted write or pruning left incomplete; a resume skips such a step, so
+it fails the check only when no intact step is left to resume from.
 
 >>> with CheckpointFileWriter(output_dir=str(tmp / "ckpts"), keep=2) as writer:
 ...     for checkpoint in loop:
@@ -25,6 +27,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from flax_loop.checkpoint import CheckpointEntry, list_checkpoints, read_contents
 from flax_loop.errors import FlaxLoopError
@@ -79,7 +82,7 @@ def _ls(directory: str, console: Console) -> int:
     if not entries:
         console.print(f"{directory}: no checkpoints.", markup=False)
         return EXIT_OK
-    table = Table(title=directory, title_justify="left")
+    table = Table(title=Text(directory), title_justify="left")
     for column in ("step", "kind", "file", "size", "written", "status", "resume"):
         table.add_column(
             column, justify="right" if column in ("step", "size") else "left", no_wrap=True
@@ -87,8 +90,8 @@ def _ls(directory: str, console: Console) -> int:
     for entry in entries:
         table.add_row(
             str(entry.step),
-            entry.kind + (f" {entry.metric}" if entry.metric else ""),
-            entry.name,
+            Text(entry.kind + (f" {entry.metric}" if entry.metric else "")),
+            Text(entry.name),
             format_bytes(entry.size),
             _time(entry),
             "intact" if entry.intact else f"[red]{entry.status}[/red]",
@@ -110,7 +113,11 @@ def _verify(directory: str, console: Console) -> int:
         f"{len(entries) - len(bad)} of {len(entries)} checkpoints in {directory} intact.",
         markup=False,
     )
-    return EXIT_DAMAGED if bad else EXIT_OK
+    # An incomplete Orbax step (pruning interrupted) harms nothing while the
+    # step a resume reads is intact.
+    damaged = [entry for entry in bad if entry.status != "incomplete"]
+    resumes = any(entry.resume for entry in entries)
+    return EXIT_DAMAGED if damaged or (bad and not resumes) else EXIT_OK
 
 
 def _plain(value: Any) -> str:
@@ -132,7 +139,7 @@ def _show(path: str, console: Console) -> int:
     for column in ("path", "shape", "dtype", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
     for key, shape, dtype, nbytes in contents.arrays:
-        table.add_row(key, str(shape), dtype, format_bytes(nbytes))
+        table.add_row(Text(key), str(shape), dtype, format_bytes(nbytes))
     total = sum(nbytes for *_, nbytes in contents.arrays)
     table.add_row("total", "", "", format_bytes(total))
     console.print(table)

@@ -30,26 +30,33 @@ def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
     return lowering().compile()
 
 
+_POLL_SECONDS = 0.05
+
+
 class _Compiling:
     r"""A program compiling on the background thread (`source` its future), or
     compiled when first called (`source` compiles it): called, it waits for
     the executable, puts it in `programs` under `name`, if given (later
-    calls go straight to it), and runs it."""
+    calls go straight to it), and runs it. While it waits, `interrupted()`
+    (if given) is asked every 50 ms; once true, it raises `KeyboardInterrupt`
+    without running anything."""
 
     def __init__(
         self,
         source: concurrent.futures.Future | Callable[[], Any],
         programs: dict[str, Any] | None = None,
         name: str = "",
+        interrupted: Callable[[], Callable[[], bool] | None] = lambda: None,
     ) -> None:
         self._source, self._programs, self._name = source, programs, name
+        self._interrupted = interrupted
         self._compiled: Any = None
 
     def result(self) -> Callable[..., Any]:
         if self._compiled is None:
             source = self._source
             self._compiled = (
-                source.result() if isinstance(source, concurrent.futures.Future) else source()
+                self._wait(source) if isinstance(source, concurrent.futures.Future) else source()
             )
         if self._programs is not None and self._programs.get(self._name) is self:
             self._programs[self._name] = self._compiled
@@ -57,6 +64,16 @@ class _Compiling:
 
     def __call__(self, *args: Any) -> Any:
         return self.result()(*args)
+
+    def _wait(self, future: concurrent.futures.Future) -> Any:
+        interrupted = self._interrupted()
+        while interrupted is not None:
+            try:
+                return future.result(timeout=_POLL_SECONDS)
+            except concurrent.futures.TimeoutError:
+                if interrupted():
+                    raise KeyboardInterrupt from None
+        return future.result()
 
 
 class CompiledSteps:
@@ -102,6 +119,9 @@ class CompiledSteps:
     ) -> None:
         self.grads_like = grads_like or (lambda tree: tree)
         r"""maps a tree shaped as the parameters to one shaped as the gradients."""
+        self.interrupted: Callable[[], bool] | None = None
+        r"""asked while a program waits for its compilation: once true, the
+        call raises `KeyboardInterrupt` instead, before running anything."""
         needed = plan.needed()
         first = needed[0]
         if shardings is not None:
@@ -222,7 +242,9 @@ class CompiledSteps:
             for name, compile in later.items():
                 if name in needed:
                     future = self._background.submit(compile)
-                    self.programs[name] = _Compiling(future, self.programs, name)
+                    self.programs[name] = _Compiling(
+                        future, self.programs, name, lambda: self.interrupted
+                    )
                 else:
                     self.programs[name] = _Compiling(compile, self.programs, name)
             if plan.closing_steps:

@@ -4,6 +4,7 @@ from typing import Any
 
 import jax
 from rich.table import Table
+from rich.text import Text
 
 from flax_loop.checkpoint import Checkpoint, Summary, as_summary, expect
 from flax_loop.log import console, format_bytes, is_main_process
@@ -27,9 +28,9 @@ def describe_model(params: Any, n_devices: int, setup_seconds: float, trained: A
     `trained` (the parameters that train, frozen ones `None`) how many train.
 
     >>> describe_model({"w": np.zeros((256, 4), np.float32)}, 4, 1.5)
-    '[bold]Model[/bold]: 1,024 parameters (4.0 KiB) on 4 devices; set-up 1.50 s'
+    '1,024 parameters (4.0 KiB) on 4 devices; set-up 1.50 s'
     >>> describe_model({"w": np.zeros(8), "b": np.zeros(2)}, 1, 0.5, {"w": None, "b": np.zeros(2)})
-    '[bold]Model[/bold]: 10 parameters (80 B), 2 of 10 train, on 1 device; set-up 0.50 s'
+    '10 parameters (80 B), 2 of 10 train, on 1 device; set-up 0.50 s'
     """
     n_params, n_bytes = count_parameters(params)
     devices = "1 device" if n_devices == 1 else f"{n_devices} devices"
@@ -39,7 +40,7 @@ def describe_model(params: Any, n_devices: int, setup_seconds: float, trained: A
         if n_trained != n_params:
             training = f", {n_trained:,} of {n_params:,} train,"
     return (
-        f"[bold]Model[/bold]: {n_params:,} parameters ({format_bytes(n_bytes)}){training} "
+        f"{n_params:,} parameters ({format_bytes(n_bytes)}){training} "
         f"on {devices}; set-up {setup_seconds:.2f} s"
     )
 
@@ -88,8 +89,8 @@ def render_summary(summary: Summary) -> Table:
     table.add_column("value", justify="right")
     for group, metrics in summary.metrics.items():
         if not metrics:
-            table.add_row(group, "-", "-")
+            table.add_row(Text(group), "-", "-")
             continue
         for index, (name, value) in enumerate(metrics.items()):
-            table.add_row(group if index == 0 else "", name, _format_value(value))
+            table.add_row(Text(group if index == 0 else ""), Text(name), _format_value(value))
     return table

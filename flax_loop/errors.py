@@ -54,6 +54,10 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     r"""A checkpoint file holds another model (different tree or shapes)."""
 
 
+class StateLostError(FlaxLoopError, RuntimeError):
+    r"""A loop whose state an interrupt destroyed mid-step; make a new one that resumes."""
+
+
 class MetricError(FlaxLoopError, KeyError):
     r"""A metric named by a reader or writer is missing from a summary."""
 

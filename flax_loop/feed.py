@@ -42,7 +42,7 @@ from flax_loop.errors import BatchError, DataExhaustedError, FlaxLoopError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER
-from flax_loop.prefetch import Failed, Prefetcher
+from flax_loop.prefetch import ENDED, GAVE_UP, Failed, Prefetcher
 from flax_loop.source import DataSource
 
 PER_PROCESS = "flax_loop/per_process"
@@ -106,6 +106,14 @@ class BatchFeed:
         self.exhausted = False
         self._depth = prefetch if prefetch else steps_per_dispatch + 2
         self._prefetcher: Prefetcher | None = None
+        # the last dispatch's batches, and the data state before them (`untake`)
+        self._taken: tuple[list[Any] | tuple[Any, ...], Any] | None = None
+        self.last_step: int | None = None
+        r"""the last step the loop will train (set by `resume`): the reading
+        thread reads no batch past it."""
+        self.give_up: Callable[[], bool] | None = None
+        r"""asked while the loop waits for the reading thread: true once the
+        loop will not use the read in progress (a stop was requested)."""
         # Reading on a thread (now or from now on): checkpoints then take the
         # data states recorded per batch.
         self._threaded = bool(prefetch)
@@ -176,10 +184,10 @@ class BatchFeed:
                     ahead[index][0][0][0].shape[0] == size for index in range(group)
                 ):
                     popleft = ahead.popleft
-                    batches = [popleft()[0] for _ in range(group - 1)]
-                    last_batch, self._taken_state = popleft()
-                    batches.append(last_batch)
-                    stacked = _stack(batches)
+                    items = [popleft() for _ in range(group)]
+                    self._taken = items, self._taken_state
+                    self._taken_state = items[-1][1]
+                    stacked = _stack([item[0] for item in items])
                     if self._placement.multiprocess:  # else numpy, as the step was compiled
                         stacked = self._placement.shard_batch(stacked, stacked=True)
                     return stacked, group, MANY_LAST if closing else MANY, closing
@@ -187,21 +195,38 @@ class BatchFeed:
             # with the checkpoint is then that after its last batch.
             want = 1 if remaining == 1 else 2
             while len(ahead) < want and not self.exhausted:
-                self._read_ahead(next_step + len(ahead))
+                if not self._read_ahead(next_step + len(ahead)):
+                    stopping = True  # a stop came while the thread read: no wait for it
+                    break
         if not ahead:
             return None
-        batch, self._taken_state = ahead.popleft()
+        item = ahead.popleft()
+        self._taken = (item,), self._taken_state
+        batch, self._taken_state = item
         last = remaining == 1 or stopping or not ahead
         short = batch[0][0].shape[0] != self._size
         return self._place(batch), 1, SHORTER if short else (LAST if last else ONE), last
 
+    def untake(self) -> None:
+        r"""Puts the batches of the last dispatch back, to be taken again: its
+        step did not run (interrupted while it waited for its compilation)."""
+        taken, self._taken = self._taken, None
+        if taken is not None:
+            items, self._taken_state = taken
+            self._ahead.extendleft(reversed(items))
+
     def _fill(self, count: int, next_step: int) -> None:
         while len(self._ahead) < count and not self.exhausted:
-            self._read_ahead(next_step + len(self._ahead))
+            if not self._read_ahead(next_step + len(self._ahead)):
+                return  # a stop came meanwhile: a group that falls short runs as single steps
 
-    def _read_ahead(self, for_step: int) -> None:
+    def _read_ahead(self, for_step: int) -> bool:
+        r"""Reads the batch for `for_step` into the read-ahead queue (or marks
+        the stream exhausted); `False` if the wait for it was given up."""
         if self._threaded:
             item = self._pull(for_step)
+            if item is GAVE_UP:
+                return False
         elif self._probe is not None:
             started = time.perf_counter()
             item = self._read_recorded(for_step)
@@ -215,6 +240,7 @@ class BatchFeed:
             self.exhausted = True
         else:
             self._ahead.append(item)
+        return True
 
     def _decide(self) -> None:
         r"""After the first reads: a thread for a slow source, else inline
@@ -229,10 +255,13 @@ class BatchFeed:
         batch = self._read(for_step)
         return None if batch is None else (batch, self._source.snapshot())
 
-    def _pull(self, for_step: int) -> tuple[Batch, Any] | None:
+    def _pull(self, for_step: int) -> Any:
         r"""The next item of the thread (started, or started again after it
-        stopped); its exception re-raised here."""
-        item = self._reader(for_step).get()
+        stopped), or `GAVE_UP`; its exception re-raised here."""
+        item = self._reader(for_step).get(self.give_up)
+        while item is ENDED:  # it stopped, or read to its last step: read on
+            self._prefetcher = None
+            item = self._reader(for_step).get(self.give_up)
         if not isinstance(item, Failed):
             return item
         self._prefetcher = None
@@ -256,10 +285,12 @@ class BatchFeed:
         self._threaded = False  # inline: the source's own state is exact
         return item
 
-    def resume(self, next_step: int) -> None:
+    def resume(self, next_step: int, last_step: int) -> None:
         r"""Starts the reading thread, if the feed reads on one, so that it
-        reads while the first steps compute."""
-        if self._threaded and not self.exhausted:
+        reads while the first steps compute; it reads no batch for a step
+        after `last_step`."""
+        self.last_step = last_step
+        if self._threaded and not self.exhausted and next_step + len(self._ahead) <= last_step:
             self._reader(next_step + len(self._ahead))
 
     def _reader(self, for_step: int) -> Prefetcher:
@@ -267,12 +298,15 @@ class BatchFeed:
         holds results), else one started at `for_step`."""
         prefetcher = self._prefetcher
         if prefetcher is None or not prefetcher.has_next:
-            prefetcher = self._prefetcher = Prefetcher(self._read_recorded, for_step, self._depth)
+            last = None if self.last_step is None else max(self.last_step, for_step)
+            prefetcher = Prefetcher(self._read_recorded, for_step, self._depth, last)
+            self._prefetcher = prefetcher
         return prefetcher
 
     def pause(self) -> None:
-        r"""Stops the reading thread, if any, after its read in progress;
-        what it read is kept, and a later read starts it again."""
+        r"""Stops the reading thread, if any, after its read in progress,
+        without waiting for that read: what it read, that read included, is
+        kept, and a later read starts the thread again."""
         if self._prefetcher is not None:
             self._prefetcher.stop()
 
@@ -356,7 +390,7 @@ class BatchFeed:
             else:
                 state = None  # written by another number of processes
         if self._prefetcher is not None:
-            self._prefetcher.stop()  # what it read ahead is dropped with the rest
+            self._prefetcher.stop(wait=True)  # what it read ahead is dropped with the rest
             self._prefetcher = None
         why = self._source.reposition(state)
         if why is None:
@@ -365,11 +399,12 @@ class BatchFeed:
             self._taken_state = self._source.snapshot()
             return
         log(
-            f"[yellow]The data stream cannot be repositioned[/yellow] ({why}): it "
-            "restarts from its first batch, so this run will not match one that "
+            f"({why}): it restarts from its first batch, so this run will not match one that "
             "never stopped. Give task.data get_state/set_state (grain's iterators "
             "have them) or a re-iterable source for exact resume.",
             stdout=stdout,
+            lead="The data stream cannot be repositioned",
+            style="yellow",
         )
 
 

@@ -151,6 +151,8 @@ class Intervals:
         statistics = None
         if ending is not None:
             self._grads, statistics = ending[2], ending[3]
+        elif self._grads is None:  # no step returned gradients yet (an interrupt ended it)
+            self._grads = jax.tree.map(jnp.zeros_like, self._steps.grads_like(params))
         if n_completed:
             state, result = self._finish(state, loss, n_completed, statistics)
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):

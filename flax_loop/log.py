@@ -15,6 +15,7 @@ import threading
 
 import jax
 from rich.console import Console
+from rich.text import Text
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -48,10 +49,16 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def log(message: str, stdout: bool = True) -> None:
-    r"""Prints a message on process 0 when `stdout` is set."""
+def log(message: str, stdout: bool = True, *, lead: str = "", style: str = "") -> None:
+    r"""Prints a message on process 0 when `stdout` is set.
+
+    The message is plain text, printed as it is: a path or a metric name
+    holding brackets (`runs/[/lr]`) is never read as rich markup. `lead`, in
+    `style` (a rich style such as "yellow"), opens the line.
+    """
     if stdout and is_main_process():
-        console().print(message, soft_wrap=True)  # a path stays on one line
+        text = Text.assemble((lead, style), " " if lead else "", message)
+        console().print(text, soft_wrap=True)  # a path stays on one line
 
 
 def format_bytes(size: int) -> str:

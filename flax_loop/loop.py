@@ -35,7 +35,7 @@ from flax_loop.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.compiled import CompiledSteps
 from flax_loop.console import describe_model
-from flax_loop.errors import ConfigError, DataExhaustedError, check_count
+from flax_loop.errors import ConfigError, DataExhaustedError, StateLostError, check_count
 from flax_loop.feed import BatchFeed
 from flax_loop.initial import InitFn, Reader, initial_state, placed, run_key, run_once
 from flax_loop.interval import Intervals
@@ -191,6 +191,7 @@ class TrainLoop:
                     f"got {init_fn!r}."
                 )
             self._stdout = stdout
+            self._lost: str | None = None  # why the loop cannot go on (an interrupt)
             if profile is not None and not isinstance(profile, ProfileSteps):
                 raise ConfigError(
                     f"profile must be a ProfileSteps(start=..., n=..., log_dir=...); "
@@ -229,6 +230,9 @@ class TrainLoop:
                 normalize=tree or normalize_batch,
             )
             objective.batch_tree = tree
+            if not placement.multiprocess:  # several processes agree on a stop at checkpoints
+                guard = self._guard
+                self._feed.give_up = lambda: guard.requested  # no wait for an unused read
             inputs = _init_inputs(input_sample, self._feed.sample, tree, is_nnx(task.apply))
             key = as_typed_key(rnkey)
 
@@ -284,6 +288,8 @@ class TrainLoop:
                 objective.grads_like,
             )
             self._state = self._steps.state
+            if not placement.multiprocess:
+                self._steps.interrupted = lambda: guard.interrupted
             self._intervals = Intervals(
                 self._steps, placement, self._feed, key, nonfinite == "raise", self._step
             )
@@ -292,6 +298,8 @@ class TrainLoop:
             log(
                 describe_model(start.model_params, placement.n_devices, setup_seconds, trained),
                 stdout,
+                lead="Model:",
+                style="bold",
             )
 
     @property
@@ -369,16 +377,29 @@ class TrainLoop:
         return self._run(target=check_count("n_steps", n_steps, 0, MAX_STEPS))
 
     @contextlib.contextmanager
-    def _training(self) -> Iterator[None]:
-        r"""While training: signals become stop requests, failures reach the
-        other processes, and the progress report shows."""
+    def _training(self, last_step: int) -> Iterator[None]:
+        r"""While training up to `last_step`: signals become stop requests,
+        failures reach the other processes, and the progress report shows."""
+        if self._lost is not None:
+            raise StateLostError(self._lost)
         self._guard.install()
         try:
-            self._feed.resume(self._step + 1)  # a reading thread reads meanwhile
+            # a reading thread reads meanwhile, never past the last step trained
+            self._feed.resume(self._step + 1, max(last_step, self._n_steps))
             with distributed.failing_together():
                 yield
+        except KeyboardInterrupt:
+            self._guard.clear()  # the interrupt ends this call; the next one trains on
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._state)):
+                self._lost = (
+                    f"An interrupt at step {self._step} came while the loop's state was "
+                    "handed from one step to the next, and that state is gone: this "
+                    "loop cannot go on. Make a new TrainLoop that resumes from the last "
+                    "checkpoint written (init=CheckpointFileReader(dir=...))."
+                )
+            raise
         finally:
-            self._feed.pause()  # no reading thread outlives a call
+            self._feed.pause()  # no thread reads on after a call (nor is waited for)
             self._guard.uninstall()
             if self.profile is not None:
                 self.profile.finish()  # never leave a trace running
@@ -386,7 +407,7 @@ class TrainLoop:
                 self._report.stop()
 
     def _run(self, target: int | None) -> Iterator[Checkpoint]:
-        with self._training():
+        with self._training(self._n_steps if target is None else target):
             stop = self._n_steps if target is None else target
             if self._step >= stop:
                 log(
@@ -410,7 +431,7 @@ class TrainLoop:
                     return
 
     def _run_alone(self, boundary: int) -> Checkpoint | None:
-        with self._training():
+        with self._training(boundary):
             return self._run_interval(boundary, total=boundary)
 
     def _boundary(self, target: int | None) -> int:
@@ -436,6 +457,15 @@ class TrainLoop:
         r"""Runs steps up to `boundary`: its checkpoint, or `None` if the
         stream had no batch left. A stop request, even one made before the
         interval started, ends it after the step in flight."""
+        guard = self._guard
+        # A second Ctrl-C is raised between steps, never inside one (preemption.py).
+        guard.defer = not self._placement.multiprocess
+        try:
+            return self._train_interval(boundary, total)
+        finally:
+            guard.defer = False
+
+    def _train_interval(self, boundary: int, total: int) -> Checkpoint | None:
         report = self._report
         if report is not None and not report.active:
             report.start(self._step, total)
@@ -464,7 +494,11 @@ class TrainLoop:
                 profile.begin()  # type: ignore[union-attr]
                 annotation = profile.annotate(step + 1)  # type: ignore[union-attr]
                 annotation.__enter__()
-            result = programs[variant](self._state, batch, key)
+            try:
+                result = programs[variant](self._state, batch, key)
+            except KeyboardInterrupt:  # raised before it ran: waiting for its compilation
+                self._feed.untake()
+                raise
             self._state, loss = result[0], result[1]
             if traced:
                 annotation.__exit__(None, None, None)
@@ -480,6 +514,8 @@ class TrainLoop:
             if last:
                 ending = result
                 break
+        if guard.interrupted:  # a second Ctrl-C: the state is whole here
+            raise KeyboardInterrupt
         preempted = self._stop_requested()
         if self._step == self._intervals.start and not preempted:
             return None

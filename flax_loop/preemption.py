@@ -8,8 +8,15 @@ runs is kept: the next iteration yields that checkpoint at once, without
 training further. A second SIGINT raises `KeyboardInterrupt` at once (a
 second SIGTERM, its previous handling). The original handlers come back as
 soon as the loop stops iterating.
+
+While the loop runs its steps (`defer`), the second SIGINT's
+`KeyboardInterrupt` is raised by the loop itself, at the next point where
+its state is whole (between steps, or while it waits for a compilation),
+so that no batch is lost and the loop stays usable; if the loop does not
+get there within `DEFER_SECONDS`, it is raised wherever the program is.
 """
 
+import _thread
 import os
 import signal
 import threading
@@ -18,6 +25,9 @@ from types import FrameType
 from typing import Any
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+DEFER_SECONDS = 1.0
+r"""How long a deferred `KeyboardInterrupt` waits for the loop to raise it."""
 
 
 class PreemptionGuard:
@@ -34,6 +44,10 @@ class PreemptionGuard:
         self.signals = tuple(signals)
         self.requested = False
         self.signal: int | None = None
+        self.defer = False
+        r"""set by the loop while a `KeyboardInterrupt` would cut a step in two."""
+        self.interrupted = False
+        r"""whether a second SIGINT came while deferred: the loop raises it."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "PreemptionGuard":
@@ -60,14 +74,25 @@ class PreemptionGuard:
         self._previous = {}
 
     def clear(self) -> None:
-        r"""Forgets a stop request (once the loop has stopped for it)."""
-        self.requested, self.signal = False, None
+        r"""Forgets a stop request (once the loop has stopped for it, or an
+        interrupt has ended the call)."""
+        self.requested, self.signal, self.interrupted = False, None, False
+
+    def _interrupt_if_pending(self) -> None:
+        r"""The loop did not raise a deferred interrupt in time (a read or a
+        wait that does not end): raised where the program is."""
+        if self.interrupted:
+            _thread.interrupt_main(signal.SIGINT)
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
         if self.requested:
             # A second signal: the user insists; behave as without the guard.
             self.uninstall()
             if number == signal.SIGINT:
+                if self.defer:
+                    self.interrupted = True
+                    threading.Timer(DEFER_SECONDS, self._interrupt_if_pending).start()
+                    return
                 raise KeyboardInterrupt
             signal.raise_signal(number)
             return

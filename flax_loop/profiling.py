@@ -8,8 +8,13 @@ r"""Tracing a window of training steps with `jax.profiler`.
 
 The trace goes to `log_dir` (`plugins/profile/<run>/*.xplane.pb`), which
 TensorBoard's profile plugin and Perfetto read.
+
+Profiling never costs training: a trace that cannot start (another trace
+runs, `log_dir` cannot be made) or cannot be written is a note on the
+console (and `ProfileSteps.problem`), and the loop trains on.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +46,9 @@ class ProfileSteps:
     traced_steps: list[int] = field(default_factory=list, init=False)
     r"""the steps dispatched while tracing (filled as the loop runs)."""
 
+    problem: str | None = field(default=None, init=False)
+    r"""why the trace could not be taken or written, if it could not."""
+
     def __post_init__(self) -> None:
         check_count("start", self.start, 1)
         check_count("n", self.n, 1)
@@ -59,10 +67,16 @@ class ProfileSteps:
         return not self._done and first_step <= self.end and last_step >= self.start
 
     def begin(self) -> None:
-        r"""Starts the trace (once)."""
-        if not self._active:
+        r"""Starts the trace (once); a trace that cannot start is a note."""
+        if self._active or self._done:
+            return
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
             jax.profiler.start_trace(self.log_dir)
-            self._active = True
+        except Exception as error:  # never a lost batch: the loop trains on
+            self._give_up(f"could not start ({type(error).__name__}: {error})")
+            return
+        self._active = True
 
     def annotate(self, step: int) -> Any:
         r"""The annotation a traced dispatch runs under."""
@@ -76,9 +90,33 @@ class ProfileSteps:
             self.finish()
 
     def finish(self) -> None:
-        r"""Stops the trace if it runs (the loop calls it when it stops early too)."""
-        if self._active:
+        r"""Stops the trace if it runs (the loop calls it when it stops early
+        too); a trace that cannot be written is a note."""
+        if not self._active:
+            return
+        self._active = False
+        self._done = True
+        try:
             jax.profiler.stop_trace()
-            self._active = False
-            self._done = True
-            log(f"Traced steps {self.traced_steps[0]}-{self.traced_steps[-1]} into {self.log_dir}.")
+        except Exception as error:
+            _forget_session()
+            self._give_up(f"could not be written ({type(error).__name__}: {error})")
+            return
+        steps = self.traced_steps
+        where = f"{steps[0]}-{steps[-1]}" if steps else f"{self.start}-{self.end}"
+        log(f"Traced steps {where} into {self.log_dir}.")
+
+    def _give_up(self, why: str) -> None:
+        self._done = True
+        self.problem = f"The trace of steps {self.start}-{self.end} into {self.log_dir!r} {why}."
+        log(f"{self.problem} Training goes on without it.", lead="Profiling:", style="yellow")
+
+
+def _forget_session() -> None:
+    r"""After a failed export `jax.profiler` still holds its session, so no
+    trace could start again in this process: let it go."""
+    from jax._src import profiler
+
+    state = getattr(profiler, "_profile_state", None)
+    if state is not None and getattr(state, "profile_session", None) is not None:
+        state.reset()

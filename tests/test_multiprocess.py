@@ -178,8 +178,8 @@ def test_two_processes_fsdp_write_and_resume_orbax_checkpoints_as_one_process(
     sharded = ("--sharding", "fsdp", "--orbax", "--dir", directory)
     results = succeed(2, "--n-steps", 10, *sharded)
     assert all("STEP 10" in output for _, output in results)
-    # Each process wrote its own shards of the step.
-    assert sorted(os.listdir(directory)) == ["10"]
+    # Each process wrote its own shards of the step (process 0 held the lock).
+    assert sorted(os.listdir(directory)) == [".lock.orbax.lock", "10"]
     results = succeed(2, "--n-steps", 20, *sharded, "--out", tmp_path / "two.npz")
     assert all("START 10" in output for _, output in results)
     assert_close(params(tmp_path / "two.npz"), straight_fsdp, 1e-6)

@@ -67,7 +67,8 @@ def test_a_thread_reading_ahead_saves_the_state_of_the_last_trained_batch(tmp_pa
     straight = []
     for checkpoint in loop:
         time.sleep(0.2)  # the thread fills its buffer meanwhile
-        assert source.position >= checkpoint.step + 4  # read ahead of training
+        # read ahead of training, never past the last step (10)
+        assert source.position >= min(checkpoint.step + 4, 10)
         assert checkpoint.data_state == {"position": checkpoint.step}
         writer(checkpoint)
         straight.append(checkpoint)
@@ -139,8 +140,9 @@ def test_an_error_on_the_thread_is_raised_in_the_caller_with_its_step():
 
 def test_no_reading_thread_outlives_the_end_a_break_a_stop_or_exhaustion():
     loop = digits_loop(data=Recorded(X_TRAIN, Y_TRAIN, 32), n_steps=6, prefetch=2)
-    for _checkpoint in loop:
-        assert len(prefetch_threads()) == 1  # reading while the caller works
+    for checkpoint in loop:
+        if checkpoint.step <= 3:  # reading while the caller works (it stops after step 6)
+            assert len(prefetch_threads()) == 1
     assert prefetch_threads() == []
     loop = digits_loop(data=Recorded(X_TRAIN, Y_TRAIN, 32), n_steps=6, prefetch=2)
     for _checkpoint in loop:

@@ -13,7 +13,9 @@ time, so writing holds at most one array's host copy beyond the state, and
 nothing in a file is ever executed when it is read.
 """
 
+import errno
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -39,6 +41,10 @@ MAX_DEPTH = 64
 r"""The deepest nesting a file's tree or metadata may have (real states nest < 20)."""
 MAX_STEP = 2**31 - 1
 r"""The largest step a file may hold: the loop counts steps in an int32."""
+MAX_DIMENSIONS = 32
+r"""The most dimensions an array of a file may have (numpy's limit is 64)."""
+MAX_EXTENT = 2**62
+r"""The largest extent of one dimension that a file may claim."""
 
 
 _DTYPES = {
@@ -149,7 +155,7 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
         CheckpointCorruptError: for a truncated or damaged file.
         CheckpointVersionError: for a file of a newer format version.
     """
-    with open(path, "rb") as stream:
+    with _open_regular(path) as stream:
         size = os.fstat(stream.fileno()).st_size
         if size < _HEAD.size + _TAIL.size:
             raise CheckpointCorruptError(
@@ -184,10 +190,12 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
                 f"{path} has an inconsistent header: format {footer.get('format')!r} "
                 f"version {footer.get('version')!r} against header version {version}."
             )
+        entries = list(_entries(path, footer))
+        _check_layout(path, entries, data_end)
         with Checksums() as checksums:
             arrays = [
                 _read_array(stream, path, i, entry, data_end, checksums)
-                for i, entry in enumerate(_entries(path, footer))
+                for i, entry in enumerate(entries)
             ]
 
     def resolve(code: int, data: bytes) -> Any:
@@ -199,6 +207,55 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
     meta = {k: v for k, v in footer.items() if k not in ("tree", "arrays")}
     _check_meta(path, meta)
     return tree, meta
+
+
+def _open_regular(path: str) -> BinaryIO:
+    r"""`path` opened for reading if it is a regular file (a symbolic link to
+    one is followed); a FIFO, a device, a socket or a dangling link is a
+    damaged checkpoint, found without blocking on it. The system's refusals
+    (permissions, I/O, a folder) stay `OSError`s."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as error:  # a link to nothing
+        what = (
+            f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+            if os.path.islink(path)
+            else error.strerror or str(error)
+        )
+        raise CheckpointCorruptError(f"{path} is not a checkpoint: {what}.") from error
+    mode = os.fstat(descriptor).st_mode
+    if stat.S_ISDIR(mode):  # the system's answer, as for any file it cannot read
+        os.close(descriptor)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise CheckpointCorruptError(
+            f"{path} is not a checkpoint: it is not a regular file (mode {stat.filemode(mode)})."
+        )
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
+def _check_layout(path: str, entries: list[dict[str, Any]], data_end: int) -> None:
+    r"""Rejects a table whose arrays overlap (or claim more bytes than the file
+    holds): a crafted table of many entries pointing at one valid block must
+    not make a reader allocate many times the file's size."""
+    spans = []
+    for index, entry in enumerate(entries):
+        offset, nbytes = entry.get("offset"), entry.get("nbytes")
+        if isinstance(offset, int) and isinstance(nbytes, int) and nbytes > 0:
+            spans.append((offset, offset + nbytes, index))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointCorruptError(
+                f"{path} is damaged: arrays {min(first, second)} and "
+                f"{max(first, second)} overlap in the file."
+            )
+    if sum(end - start for start, end, _ in spans) > max(data_end - _HEAD.size, 0):
+        raise CheckpointCorruptError(
+            f"{path} is damaged: its arrays claim more bytes than it holds."
+        )
 
 
 def _check_meta(path: str, meta: dict[str, Any]) -> None:
@@ -274,7 +331,10 @@ def _read_array(
     if (
         dtype is None
         or not isinstance(shape, list)
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        or len(shape) > MAX_DIMENSIONS
+        or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_EXTENT for n in shape
+        )
         or not all(isinstance(n, int) and not isinstance(n, bool) for n in ints)
     ):
         raise CheckpointCorruptError(

@@ -19,7 +19,10 @@ import numpy as np
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import SUFFIX, TEMPORARY_PREFIX
-from flax_loop.errors import CheckpointError, FlaxLoopError
+from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
+
+_STEP_NAME = re.compile(r"[0-9]+")
+r"""An Orbax step folder's name (ASCII digits: `int` reads "²" as no number)."""
 
 _FILE_NAME = re.compile(
     r"(?P<kind>regular|lowest|highest)\.(?:(?P<group>[^.]+)\.(?P<metric>[^.]+)\.)?(?P<step>\d+)"
@@ -47,8 +50,10 @@ class CheckpointEntry:
     r"""when it was written (seconds since the epoch)."""
 
     status: str = "intact"
-    r"""`"intact"`, `"damaged"` (a checksum, its format or its name is wrong)
-    or `"unreadable"` (the system refused to read it: permissions, I/O)."""
+    r"""`"intact"`, `"damaged"` (a checksum, its format or its name is wrong),
+    `"unreadable"` (the system refused to read it: permissions, I/O) or
+    `"incomplete"` (an Orbax step folder that an interrupted write or
+    pruning left without one of its items; a resume skips it)."""
 
     problem: str = ""
     r"""why it is not intact."""
@@ -86,8 +91,8 @@ class CheckpointContents:
 
 def _is_orbax(directory: str) -> bool:
     return any(
-        os.path.isdir(os.path.join(directory, name))
-        and name.isdigit()
+        _STEP_NAME.fullmatch(name)
+        and os.path.isdir(os.path.join(directory, name))
         and os.path.exists(os.path.join(directory, name, "meta"))
         for name in os.listdir(directory)
     )
@@ -113,16 +118,23 @@ def list_checkpoints(directory: str) -> list[CheckpointEntry]:
         if name.startswith(TEMPORARY_PREFIX) or match is None:
             continue
         path = os.path.join(directory, name)
-        stat = os.stat(path)
-        size = _directory_size(path) if os.path.isdir(path) else stat.st_size
+        try:
+            status = os.stat(path)
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                continue  # removed since the listing (a writer pruning it)
+            status = os.lstat(path)  # a symbolic link to nothing
+        size = _directory_size(path) if os.path.isdir(path) else status.st_size
         kind = match.group("kind")
         metric = ""
         if kind != "regular":
             group, metric_name = (urllib.parse.unquote(match.group(n)) for n in ("group", "metric"))
             metric = f"{group}/{metric_name}"
-        entry = CheckpointEntry(path, kind, int(match.group("step")), size, stat.st_mtime)
+        entry = CheckpointEntry(path, kind, int(match.group("step")), size, status.st_mtime)
         entry.metric = metric
         _verify_file(entry)
+        if not entry.intact and not os.path.lexists(path):
+            continue  # removed while it was read
         entries.append(entry)
     entries.sort(key=lambda entry: (entry.kind, entry.metric, entry.step))
     for kind, metric in {(entry.kind, entry.metric) for entry in entries}:
@@ -157,24 +169,41 @@ def _orbax_entries(directory: str) -> list[CheckpointEntry]:
     from flax_loop.checkpoint._orbax_store import read_orbax_step
 
     entries = []
-    for name in sorted((n for n in os.listdir(directory) if n.isdigit()), key=int):
+    for name in sorted((n for n in os.listdir(directory) if _STEP_NAME.fullmatch(n)), key=int):
         path = os.path.join(directory, name)
-        if not os.path.isdir(path):
-            continue
-        entry = CheckpointEntry(
-            path, "orbax", int(name), _directory_size(path), os.stat(path).st_mtime
-        )
         try:
-            read_orbax_step(directory, int(name), read_arrays=True)
-        except PermissionError as error:
-            entry.status, entry.problem = "unreadable", str(error)
-        except Exception as error:
-            entry.status, entry.problem = "damaged", f"{type(error).__name__}: {error}"
+            if not os.path.isdir(path):
+                continue
+            entry = CheckpointEntry(
+                path, "orbax", int(name), _directory_size(path), os.stat(path).st_mtime
+            )
+        except FileNotFoundError:
+            continue  # removed since the listing (a writer pruning it)
+        missing = _missing_items(path)
+        if missing:
+            entry.status = "incomplete"
+            entry.problem = (
+                f"it holds no {' or '.join(missing)}: an interrupted write or pruning "
+                "left it (a resume skips it; remove it)"
+            )
+        else:
+            try:
+                read_orbax_step(directory, int(name), read_arrays=True)
+            except PermissionError as error:
+                entry.status, entry.problem = "unreadable", str(error)
+            except Exception as error:
+                entry.status, entry.problem = "damaged", f"{type(error).__name__}: {error}"
         entries.append(entry)
     intact = [entry for entry in entries if entry.intact]
     if intact:
         intact[-1].resume = True
     return entries
+
+
+def _missing_items(step_folder: str) -> list[str]:
+    return [
+        item for item in ("state", "meta") if not os.path.isdir(os.path.join(step_folder, item))
+    ]
 
 
 def read_contents(path: str) -> CheckpointContents:
@@ -187,12 +216,24 @@ def read_contents(path: str) -> CheckpointContents:
         from flax_loop.checkpoint._orbax_store import read_orbax_step
 
         directory, name = os.path.split(os.path.abspath(path))
-        if not name.isdigit():
+        if not _STEP_NAME.fullmatch(name):
             raise CheckpointError(
                 f"{path!r} is a directory, not a checkpoint file or an Orbax step "
                 "folder; list a directory with `flax-loop ls`."
             )
-        meta, shapes = read_orbax_step(directory, int(name))
+        missing = _missing_items(path)
+        if missing:
+            raise CheckpointCorruptError(
+                f"{path!r} is an incomplete Orbax step: it holds no {' or '.join(missing)}."
+            )
+        try:
+            meta, shapes = read_orbax_step(directory, int(name))
+        except FlaxLoopError:
+            raise
+        except Exception as error:
+            raise CheckpointCorruptError(
+                f"{path!r} cannot be read as an Orbax step: {type(error).__name__}: {error}."
+            ) from error
         arrays = [
             (key, shape, dtype, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
             for key, (shape, dtype) in shapes.items()

@@ -8,9 +8,11 @@ raises naming the holder. The lock is released when the writer closes, or
 by the operating system when its process ends, however it ends.
 """
 
+import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from typing import IO
 
@@ -57,10 +59,7 @@ class DirectoryLock:
         if self._file is not None:
             return
         deadline = time.monotonic() + (WAIT_SECONDS if wait_seconds is None else wait_seconds)
-        try:
-            file = open(self.path, "a+")
-        except OSError as error:
-            raise CheckpointError(f"Cannot create the lock file {self.path!r}: {error}.") from error
+        file = _open_lock_file(self.path)
         while True:
             try:
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -68,7 +67,7 @@ class DirectoryLock:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     file.seek(0)
-                    holder = file.read().strip() or "unknown"
+                    holder = file.read(200).strip() or "unknown"
                     file.close()
                     raise CheckpointError(
                         f"Another checkpoint writer is writing the same files in "
@@ -79,7 +78,7 @@ class DirectoryLock:
                     ) from None
                 time.sleep(0.05)
         file.seek(0)
-        file.truncate()
+        file.truncate()  # ours: a regular file of the directory, linked nowhere else
         file.write(f"host {socket.gethostname()}, process id {os.getpid()}\n")
         file.flush()
         self._file = file
@@ -89,3 +88,29 @@ class DirectoryLock:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _open_lock_file(path: str) -> IO[str]:
+    r"""The lock file, created if absent, opened without following a symbolic
+    link and without truncating: a link planted under the lock file's name
+    must never lead the writer to overwrite a file elsewhere."""
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"The lock file {path!r} is a symbolic link: flax_loop never writes "
+                "through one. Remove it (the directory's writer creates its own)."
+            ) from error
+        raise CheckpointError(f"Cannot create the lock file {path!r}: {error}.") from error
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+        os.close(descriptor)
+        what = (
+            "a file with other names (hard links)" if stat.S_ISREG(status.st_mode) else "not a file"
+        )
+        raise CheckpointError(
+            f"The lock file {path!r} is {what}: flax_loop writes only a lock "
+            "file of its own. Remove it (the directory's writer creates its own)."
+        )
+    return os.fdopen(descriptor, "r+")

@@ -15,10 +15,11 @@ state). Needs `pip install flax_loop[orbax]`.
 [3, 4]
 """
 
-import atexit
 import math
 import operator
 import os
+import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from flax_loop.checkpoint._best import KeepsBest, check_best_arguments
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._file import CheckpointFile, restore_key
+from flax_loop.checkpoint._lock import DirectoryLock
 from flax_loop.checkpoint._orbax_store import (
     FORMAT_VERSION,
     META_ITEM,
@@ -42,14 +44,17 @@ from flax_loop.checkpoint._orbax_store import (
     reading,
     restore_tree,
 )
-from flax_loop.checkpoint._writer import check_writer_options, to_file
+from flax_loop.checkpoint._writer import EXIT_CODE_WRITE_FAILED, check_writer_options, to_file
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
 )
-from flax_loop.log import log
+from flax_loop.log import is_main_process, log
+
+ORBAX_LOCK = "orbax."
+r"""The prefix of an Orbax directory's lock file (`.lock.orbax.lock`)."""
 
 _open_writers: "weakref.WeakSet[OrbaxCheckpointWriter]" = weakref.WeakSet()
 
@@ -61,8 +66,11 @@ class OrbaxCheckpointWriter:
     Every process must call it: each writes its own shards of the arrays, in
     the background (the call returns once the arrays are copied off the
     devices). Pending writes finish at the next write, at `wait()`, at
-    `close()` and at interpreter exit. A crash mid-write leaves the earlier
-    steps intact (Orbax renames a finished step into place).
+    `close()` and at interpreter exit; if one fails at exit, the process
+    exits with status 75, never 0. A crash mid-write leaves the earlier
+    steps intact (Orbax renames a finished step into place). While open, the
+    writer holds the directory's lock (process 0 takes it), so that two runs
+    cannot write one directory.
     """
 
     output_dir: str
@@ -82,6 +90,7 @@ class OrbaxCheckpointWriter:
     def __post_init__(self) -> None:
         self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
         self._manager: Any = None
+        self._lock: DirectoryLock | None = None
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         r"""Writes a checkpoint (or a summary, with its metrics) and returns it."""
@@ -125,9 +134,26 @@ class OrbaxCheckpointWriter:
 
     def _open(self) -> Any:
         if self._manager is None:
-            self._manager = open_manager(self.output_dir, self.keep, read_only=False)
+            if is_main_process():
+                os.makedirs(self.output_dir, exist_ok=True)
+                lock = DirectoryLock(self.output_dir, ORBAX_LOCK)
+                lock.acquire()  # before Orbax touches the directory
+                self._lock = lock
+            try:
+                self._manager = _orbax_call(
+                    "open", self.output_dir, open_manager, self.output_dir, self.keep, False
+                )
+            except BaseException:
+                self._release()
+                raise
             _open_writers.add(self)
+            _finish_at_exit()
         return self._manager
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _make_room(self, manager: Any, step: int) -> None:
         manager.reload()
@@ -145,17 +171,31 @@ class OrbaxCheckpointWriter:
                 manager.delete(old)
 
     def wait(self) -> None:
-        r"""Waits for a background write in progress."""
+        r"""Waits for a background write in progress.
+
+        Raises:
+            CheckpointError: if it failed (a full disk, say).
+        """
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            _orbax_call("finish a write to", self.output_dir, self._manager.wait_until_finished)
 
     def close(self) -> None:
-        r"""Finishes pending writes and releases the directory."""
+        r"""Finishes pending writes and releases the directory.
+
+        Raises:
+            CheckpointError: if a pending write failed; the directory is
+                released all the same.
+        """
         manager, self._manager = self._manager, None
         _open_writers.discard(self)
-        if manager is not None:
-            manager.wait_until_finished()
-            manager.close()
+        try:
+            if manager is not None:
+                try:
+                    _orbax_call("finish a write to", self.output_dir, manager.wait_until_finished)
+                finally:
+                    _orbax_call("close", self.output_dir, manager.close)
+        finally:
+            self._release()
 
     def __enter__(self) -> "OrbaxCheckpointWriter":
         return self
@@ -167,13 +207,53 @@ class OrbaxCheckpointWriter:
         return id(self)
 
 
-@atexit.register
+def _orbax_call(doing: str, directory: str, function: Any, *args: Any) -> Any:
+    r"""`function(*args)`, with Orbax's own failures as a `CheckpointError`."""
+    try:
+        return function(*args)
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as error:
+        raise CheckpointError(
+            f"Orbax failed to {doing} {directory!r}: {type(error).__name__}: {error}. "
+            "The steps already finished there are intact."
+        ) from error
+
+
+_exit_hook_registered = False
+
+
+def _finish_at_exit() -> None:
+    r"""Registers `_finish_pending_writes` to run as the interpreter begins to
+    exit. Orbax finishes a save on thread pools; `atexit` handlers run after
+    Python has shut those down (the save then fails, "cannot schedule new
+    futures"), so the hook runs among threading's exit calls instead, which
+    run first and in reverse order of registration: before the pools'."""
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython since 3.9 has it
+        import atexit
+
+        atexit.register(_finish_pending_writes)
+    else:
+        register(_finish_pending_writes)
+
+
 def _finish_pending_writes() -> None:
+    failed = False
     for writer in list(_open_writers):
         try:
             writer.close()
         except Exception as error:  # at exit, report rather than lose it
-            log(f"[red]An Orbax checkpoint write failed at exit:[/red] {error}")
+            failed = True
+            log(str(error), lead="An Orbax checkpoint write failed at exit:", style="red")
+    if failed:  # a scheduler must not record success when the last step is missing
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CODE_WRITE_FAILED)
 
 
 @dataclass
@@ -251,7 +331,11 @@ class OrbaxCheckpointReader:
                     raise
                 except Exception as error:
                     problems.append(f"{where}: {error}")
-                    log(f"[yellow]Skipped a damaged Orbax checkpoint:[/yellow] {where}: {error}")
+                    log(
+                        f"{where}: {error}",
+                        lead="Skipped a damaged Orbax checkpoint:",
+                        style="yellow",
+                    )
         if problems:
             raise CheckpointCorruptError(
                 f"Every checkpoint in {self.dir!r} is damaged, so none was loaded and "

@@ -81,7 +81,7 @@ class CheckpointFileReader:
                     )
             except CheckpointCorruptError as error:
                 problems.append(str(error).rstrip("."))
-                log(f"[yellow]Skipped a damaged checkpoint:[/yellow] {error}")
+                log(str(error), lead="Skipped a damaged checkpoint:", style="yellow")
                 continue
             except CheckpointError:
                 raise

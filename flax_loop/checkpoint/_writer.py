@@ -254,13 +254,13 @@ def _finish_pending_writes() -> None:
             writer.close()
         except Exception as error:  # at exit, report rather than lose it
             failed = True
-            log(f"[red]A background checkpoint write failed at exit:[/red] {error}")
+            log(str(error), lead="A background checkpoint write failed at exit:", style="red")
     with _failures_lock:
         unseen = list(_unseen_failures.values())
         _unseen_failures.clear()
     for lost in unseen:  # of writers no longer there to close
         failed = True
-        log(f"[red]A background checkpoint write failed:[/red] {lost}")
+        log(str(lost), lead="A background checkpoint write failed:", style="red")
     if failed:
         # A scheduler must not record success when the last file is missing.
         sys.stdout.flush()

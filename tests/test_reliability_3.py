@@ -1,0 +1,493 @@
+"""What an attacker found in 0.2.0's new surfaces (Orbax, locks, prefetch, the
+CLI, writers, profiling), each scenario reduced and held (reliability, round 3)."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from flax_loop import CheckpointFileReader, CheckpointFileWriter, Summary, SummaryLogger, cli
+from flax_loop.checkpoint import _format, _lock, list_checkpoints
+from flax_loop.errors import CheckpointCorruptError, CheckpointError
+from flax_loop.log import set_console
+from tests.helpers import ROOT, digits_loop, digits_split, file_names
+
+X_TRAIN, Y_TRAIN, _, _ = digits_split()
+
+
+def one_checkpoint(n_steps=2):
+    return digits_loop(n_steps=n_steps, n_devices=1).next_checkpoint()
+
+
+def run_program(source, timeout=180):
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def cli_output(*args):
+    out = io.StringIO()
+    code = cli.main(list(args), console=Console(file=out, width=1000))
+    return code, out.getvalue()
+
+
+# -- 1. Orbax writes pending at exit finish; a failure then exits 75 -----------
+
+
+ORBAX_PROGRAM = """
+    import sys, jax
+    from tests.helpers import digits_loop
+    from flax_loop import OrbaxCheckpointWriter
+
+    loop = digits_loop(n_steps=20, n_steps_per_checkpoint=10, n_devices=1)
+    writer = OrbaxCheckpointWriter(output_dir={directory!r}, keep=3)
+    for checkpoint in loop:
+        writer(checkpoint)
+    {ending}
+    print("BODY DONE")
+    {raising}
+"""
+
+
+@pytest.mark.parametrize("raising", [False, True], ids=["ends", "raises"])
+def test_an_orbax_write_pending_at_exit_is_finished(tmp_path, raising):
+    pytest.importorskip("orbax.checkpoint")
+    result = run_program(
+        ORBAX_PROGRAM.format(
+            directory=str(tmp_path),
+            ending="",
+            raising='raise RuntimeError("the caller failed")' if raising else "",
+        )
+    )
+    assert "BODY DONE" in result.stdout, result.stderr
+    assert result.returncode == (1 if raising else 0), result.stderr[-3000:]
+    assert "cannot schedule new futures" not in result.stderr
+    assert sorted(name for name in os.listdir(tmp_path) if not name.startswith(".")) == [
+        "10",
+        "20",
+    ]
+    from flax_loop import OrbaxCheckpointReader
+
+    assert OrbaxCheckpointReader(dir=str(tmp_path), target=None).steps() == [10, 20]
+
+
+def test_an_orbax_write_failing_at_exit_exits_75(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    failing = """
+    import errno
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device")
+    writer._manager.wait_until_finished = full_disk
+    """
+    result = run_program(
+        ORBAX_PROGRAM.format(
+            directory=str(tmp_path),
+            ending=textwrap.indent(textwrap.dedent(failing), "    "),
+            raising="",
+        )
+    )
+    assert "BODY DONE" in result.stdout, result.stderr
+    assert result.returncode == 75, result.stdout + result.stderr[-3000:]
+    assert "No space left on device" in result.stdout
+
+
+# -- 2. a lock file planted as a link is refused; its target is untouched ------
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_linked_lock_file_is_refused_and_its_target_kept(tmp_path, link):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("precious")
+    directory = tmp_path / "ckpts"
+    directory.mkdir()
+    planted = directory / ".lock.regular.lock"
+    (os.symlink if link == "symbolic" else os.link)(outside, planted)
+    with pytest.raises(CheckpointError, match=r"lock.*(symbolic link|hard links).*Remove it"):
+        CheckpointFileWriter(output_dir=str(directory))(one_checkpoint())
+    assert outside.read_text() == "precious"
+    assert file_names(directory) == []
+
+
+# -- 3. the reading thread never reads past the last step, nor is waited for --
+
+
+class CountedStream:
+    """Batches whose reads take `seconds` each; read number `block_at` blocks
+    until `release` is set (a queue waiting for data that never comes). Its
+    state is the number of reads, so a checkpoint's data state tells how
+    many batches were trained."""
+
+    def __init__(self, block_at, seconds=0.002):
+        self.block_at, self.seconds, self.reads = block_at, seconds, 0
+        self.release = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.reads += 1
+        if self.reads == self.block_at:
+            self.release.wait(60)
+        time.sleep(self.seconds)
+        start = (self.reads * 32) % 1440
+        return X_TRAIN[start : start + 32], Y_TRAIN[start : start + 32]
+
+    def get_state(self):
+        return {"reads": self.reads}
+
+    def set_state(self, state):
+        self.reads = state["reads"]
+
+
+@pytest.mark.parametrize("prefetch", [None, 4])
+def test_a_stream_of_exactly_n_steps_batches_ends_without_reading_past_it(prefetch):
+    stream = CountedStream(block_at=21)
+    try:
+        loop = digits_loop(
+            data=stream, n_steps=20, n_steps_per_checkpoint=10, n_devices=1, prefetch=prefetch
+        )
+        started = time.perf_counter()
+        steps = [checkpoint.step for checkpoint in loop]
+        took = time.perf_counter() - started
+    finally:
+        stream.release.set()
+    assert steps == [10, 20]
+    assert stream.reads == 20  # nothing read that the loop would not train
+    assert took < 20  # the read past the end would block 60 s
+
+
+def _wait_for_the_blocking_read(stream):
+    deadline = time.monotonic() + 30
+    while stream.reads < stream.block_at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "break", "raise"])
+def test_no_wait_for_a_read_in_progress_the_loop_will_not_use(how):
+    # The thread (2 batches ahead) is inside the 12th read while the body
+    # holds checkpoint 10, or while the loop waits for that batch.
+    stream = CountedStream(block_at=12)
+    loop = digits_loop(data=stream, n_steps=40, n_steps_per_checkpoint=10, n_devices=1, prefetch=2)
+    try:
+        if how == "sigterm":
+            assert loop.next_checkpoint().step == 10
+            _wait_for_the_blocking_read(stream)
+            timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.start()
+            started = time.perf_counter()
+            checkpoint = loop.next_checkpoint()
+            took = time.perf_counter() - started
+            assert checkpoint.preempted and checkpoint.step == 11
+            assert checkpoint.data_state == {"reads": 11}
+        else:
+            steps = []
+            with pytest.raises(RuntimeError) if how == "raise" else _no_error():
+                for checkpoint in loop:
+                    steps.append(checkpoint.step)
+                    _wait_for_the_blocking_read(stream)
+                    started = time.perf_counter()
+                    if how == "break":
+                        break
+                    raise RuntimeError("the body failed")
+            took = time.perf_counter() - started
+            assert steps == [10]
+        assert took < 5, took  # the read blocks for 60 s
+    finally:
+        stream.release.set()
+    # The read given up on is kept, not lost: training goes on from it.
+    checkpoint = loop.next_checkpoint()
+    assert checkpoint.step == 20 and checkpoint.data_state == {"reads": 20}
+
+
+class _no_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- 4. only regular files are read; anything else is reported and skipped -----
+
+
+def _written(directory, steps=(2, 4)):
+    loop = digits_loop(n_steps=max(steps), n_steps_per_checkpoint=2, n_devices=1)
+    with CheckpointFileWriter(output_dir=str(directory), keep=5) as writer:
+        for checkpoint in loop:
+            if checkpoint.step in steps:
+                writer(checkpoint)
+
+
+def test_a_fifo_or_a_dangling_link_named_like_a_checkpoint_is_reported_and_skipped(tmp_path):
+    _written(tmp_path)
+    os.mkfifo(tmp_path / "regular.6.ckpt")
+    os.symlink(tmp_path / "gone.ckpt", tmp_path / "regular.5.ckpt")
+    started = time.perf_counter()
+    code, out = cli_output("verify", str(tmp_path))
+    assert code == cli.EXIT_DAMAGED
+    assert "regular.6.ckpt is not a checkpoint: it is not a regular file" in out
+    assert "regular.5.ckpt is not a checkpoint: a symbolic link to" in out
+    assert "2 of 4 checkpoints" in out
+    code, out = cli_output("ls", str(tmp_path))
+    assert code == cli.EXIT_OK and "<- resumes" in out
+    code, out = cli_output("show", str(tmp_path / "regular.6.ckpt"))
+    assert code == cli.EXIT_USAGE and "not a regular file" in out
+    assert CheckpointFileReader(dir=str(tmp_path), target=None).read_newest().step == 4
+    assert time.perf_counter() - started < 30  # no read blocks on the FIFO
+
+
+# -- 5. an Orbax directory is locked as a file directory is --------------------
+
+
+def test_a_second_orbax_writer_of_one_directory_is_refused(tmp_path, monkeypatch):
+    pytest.importorskip("orbax.checkpoint")
+    from flax_loop import OrbaxCheckpointWriter
+
+    monkeypatch.setattr(_lock, "WAIT_SECONDS", 0.2)
+    checkpoint = one_checkpoint()
+    first = OrbaxCheckpointWriter(output_dir=str(tmp_path))
+    first(checkpoint)
+    with pytest.raises(CheckpointError, match=f"process id {os.getpid()}"):
+        OrbaxCheckpointWriter(output_dir=str(tmp_path))(checkpoint)
+    first.close()
+    with OrbaxCheckpointWriter(output_dir=str(tmp_path)) as second:  # free again
+        second(checkpoint)
+
+
+# -- 10. user text is printed as it is, never read as markup -------------------
+
+
+def test_brackets_in_paths_and_metric_names_are_printed_as_they_are(tmp_path):
+    from tests.helpers import MLP
+
+    directory = tmp_path / "runs" / "[/lr]" / "[bold]x"
+    checkpoint = one_checkpoint()
+    out = io.StringIO()
+    previous = set_console(Console(file=out, width=300))
+    try:
+        with CheckpointFileWriter(output_dir=str(directory)) as writer:
+            writer(checkpoint)
+        SummaryLogger()(Summary(metrics={"eval": {"acc[top1]": 0.5}}, **vars(checkpoint)))
+        reader = CheckpointFileReader(dir=str(directory), target=MLP().init)
+        digits_loop(n_steps=4, n_devices=1, stdout=True, init=reader)
+    finally:
+        set_console(previous)
+    assert "acc[top1]" in out.getvalue()
+    assert f"Resumed from step 1 ({directory}/regular.1.ckpt)" in out.getvalue()
+    code, listing = cli_output("ls", str(directory))
+    assert code == cli.EXIT_OK and "[/lr]" in listing and "[bold]x" in listing
+
+
+# -- 11, 17. crafted tables and shapes are damage, found cheaply ---------------
+
+
+def _rewrite_footer(path, change):
+    """Rewrites a file's footer (and its checksum) after `change(footer)`."""
+    import struct
+    import zlib
+
+    import msgpack
+
+    data = bytearray(open(path, "rb").read())
+    footer_size, _, end = _format._TAIL.unpack(data[-_format._TAIL.size :])
+    start = len(data) - _format._TAIL.size - footer_size
+    footer = msgpack.unpackb(bytes(data[start : start + footer_size]), raw=False)
+    change(footer)
+    packed = msgpack.packb(footer, use_bin_type=True)
+    tail = _format._TAIL.pack(len(packed), zlib.crc32(packed), end)
+    with open(path, "wb") as stream:
+        stream.write(bytes(data[:start]) + packed + tail)
+    del struct
+
+
+def test_a_table_of_overlapping_entries_is_damage_read_in_bounded_memory(tmp_path):
+    _written(tmp_path, steps=(2,))
+    path = tmp_path / "regular.2.ckpt"
+
+    def many_views(footer):
+        first = footer["arrays"][0]
+        footer["arrays"] = [dict(first) for _ in range(1500)]
+
+    _rewrite_footer(path, many_views)
+    with pytest.raises(CheckpointCorruptError, match="overlap"):
+        _format.read(str(path))
+    code, out = cli_output("verify", str(tmp_path))
+    assert code == cli.EXIT_DAMAGED and "overlap" in out
+
+
+@pytest.mark.parametrize(
+    "shape", [[1] * 65, [0, 2**64 - 1]], ids=["65 dimensions", "an extent of 2**64-1"]
+)
+def test_a_crafted_shape_is_damage_skipped_at_resume(tmp_path, shape):
+    _written(tmp_path, steps=(2, 4))
+
+    def crafted(footer):
+        footer["arrays"][0]["shape"] = shape
+        footer["arrays"][0]["nbytes"] = 0
+
+    _rewrite_footer(tmp_path / "regular.4.ckpt", crafted)
+    assert CheckpointFileReader(dir=str(tmp_path), target=None).read_newest().step == 2
+    code, out = cli_output("show", str(tmp_path / "regular.4.ckpt"))
+    assert code == cli.EXIT_USAGE and "invalid description" in out
+
+
+# -- 13, 18. the CLI agrees with what resumes, and never shows a traceback -----
+
+
+def test_cli_edges_are_answered_not_raised(tmp_path):
+    _written(tmp_path, steps=(2,))
+    os.symlink(tmp_path / "missing", tmp_path / "regular.3.ckpt")
+    code, out = cli_output("verify", str(tmp_path))
+    assert code == cli.EXIT_DAMAGED and "regular.3.ckpt" in out and "symbolic link" in out
+    (tmp_path / "orbax" / "7").mkdir(parents=True)
+    (tmp_path / "orbax" / "²").mkdir()
+    code, out = cli_output("show", str(tmp_path / "orbax" / "7"))
+    assert code == cli.EXIT_USAGE and "incomplete Orbax step" in out
+    code, out = cli_output("show", str(tmp_path / "orbax" / "²"))
+    assert code == cli.EXIT_USAGE and "not a checkpoint file or an Orbax step" in out
+    code, out = cli_output("ls", str(tmp_path / "orbax"))
+    assert code == cli.EXIT_OK and "no checkpoints" in out
+
+
+def test_listing_races_a_pruning_writer_without_error(tmp_path):
+    loop = digits_loop(n_steps=200, n_steps_per_checkpoint=1, n_devices=1)
+    stop = threading.Event()
+    failures = []
+
+    def lister():
+        while not stop.is_set():
+            try:
+                for entry in list_checkpoints(str(tmp_path)) if tmp_path.exists() else []:
+                    assert entry.intact, entry.problem
+            except Exception as error:  # noqa: BLE001 - every failure is the finding
+                failures.append(repr(error))
+
+    thread = threading.Thread(target=lister)
+    thread.start()
+    try:
+        with CheckpointFileWriter(output_dir=str(tmp_path), keep=1) as writer:
+            for checkpoint in loop:
+                writer(checkpoint)
+    finally:
+        stop.set()
+        thread.join()
+    assert failures == []
+    assert np.asarray(file_names(tmp_path)).tolist() == ["regular.200.ckpt"]
+
+
+# -- 6. Ctrl-C twice while a step waits for its compilation loses nothing ------
+
+
+def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monkeypatch):
+    import optax
+
+    from flax_loop import compiled
+    from tests.helpers import ResumableBatches, relative_difference
+
+    def run(source):
+        return digits_loop(
+            data=source,
+            optimizer=optax.sgd(0.1),
+            n_steps=20,
+            n_steps_per_checkpoint=10,
+            steps_per_dispatch=4,
+            n_devices=1,
+        )
+
+    straight = list(run(ResumableBatches(X_TRAIN, Y_TRAIN, 32)))
+    compile_now = compiled._compile
+
+    def slow_compile(lowering):  # the closing group compiles on the thread for 3 s
+        time.sleep(3)
+        return compile_now(lowering)
+
+    monkeypatch.setattr(compiled, "_compile", slow_compile)
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        source = ResumableBatches(X_TRAIN, Y_TRAIN, 32)
+        loop = run(source)
+
+        def press_twice():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        timer = threading.Timer(0.5, press_twice)
+        timer.start()
+        started = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            loop.next_checkpoint()
+        assert time.perf_counter() - started < 1.5  # not after the 3 s compilation
+        assert loop.step == 8  # two groups of 4 ran; the closing group waited
+        # The loop goes on, its batch of steps 9-10 put back, not lost.
+        first, second = loop.next_checkpoint(), loop.next_checkpoint()
+    finally:
+        signal.signal(signal.SIGINT, found)
+    assert (first.step, second.step) == (10, 20)
+    assert not first.preempted and not second.preempted
+    assert first.data_state == {"position": 10} and second.data_state == {"position": 20}
+    for resumed, expected in zip((first, second), straight):
+        assert relative_difference(resumed.model_params, expected.model_params) == 0.0
+
+
+# -- 7. profiling failures are notes; no batch is lost -------------------------
+
+
+def _params_after(n_steps, **options):
+    from tests.helpers import ResumableBatches
+
+    loop = digits_loop(
+        data=ResumableBatches(X_TRAIN, Y_TRAIN, 32),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=2,
+        n_devices=1,
+        **options,
+    )
+    return [checkpoint for checkpoint in loop]
+
+
+def test_a_trace_that_cannot_start_or_be_written_is_a_note_and_training_goes_on(tmp_path, capsys):
+    from flax_loop import ProfileSteps
+    from tests.helpers import relative_difference
+
+    straight = _params_after(8)
+    # Another trace runs already: the loop's cannot start.
+    jax_profiler = pytest.importorskip("jax").profiler
+    jax_profiler.start_trace(str(tmp_path / "theirs"))
+    try:
+        window = ProfileSteps(start=3, n=2, log_dir=str(tmp_path / "ours"))
+        checkpoints = _params_after(8, profile=window, stdout=True)
+    finally:
+        jax_profiler.stop_trace()  # theirs is theirs, untouched
+    assert "could not start" in window.problem and "already been started" in window.problem
+    assert "Training goes on without it" in capsys.readouterr().out
+    for got, expected in zip(checkpoints, straight):
+        assert got.data_state == expected.data_state
+        assert relative_difference(got.model_params, expected.model_params) == 0.0
+    # The trace cannot be written (its directory became a file meanwhile).
+    window = ProfileSteps(start=3, n=4, log_dir=str(tmp_path / "gone"))
+    loop = digits_loop(n_steps=8, n_steps_per_checkpoint=2, n_devices=1, profile=window)
+    for checkpoint in loop:
+        if checkpoint.step == 4:  # the trace runs
+            import shutil
+
+            shutil.rmtree(tmp_path / "gone")
+            (tmp_path / "gone").write_text("a file now")
+    assert checkpoint.step == 8 and "could not be written" in window.problem
+    # The process can trace again.
+    window = ProfileSteps(start=1, n=1, log_dir=str(tmp_path / "again"))
+    list(digits_loop(n_steps=2, n_devices=1, profile=window))
+    assert window.problem is None and window.traced_steps == [1]
