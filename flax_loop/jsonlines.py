@@ -16,10 +16,12 @@ import json
 import math
 import os
 import time
-from typing import IO, Any
+from typing import Any
+
+import numpy as np
 
 from flax_loop.checkpoint import Checkpoint, as_summary, expect
-from flax_loop.errors import CheckpointError, ConfigError
+from flax_loop.errors import CheckpointError, ConfigError, MetricError
 from flax_loop.log import is_main_process
 
 
@@ -27,9 +29,11 @@ class JsonLinesWriter:
     r"""Appends each summary (or checkpoint) to a JSON-lines file, flushed at once.
 
     Each line holds `step`, `time` (seconds since the epoch), `elapsed_time`,
-    `n_completed_steps`, `preempted`, and every metric as `"group/name"`
-    (non-finite values as `null`). A file from an earlier run is appended
-    to. Only process 0 writes.
+    `n_completed_steps`, `preempted`, and every metric as `"group/name"`:
+    a number, a vector as a list, a string as it is (`None` and non-finite
+    values as `null`). A file from an earlier run is appended to. A line is
+    written whole or not at all: a failed write (a full disk) leaves the
+    file as it was and raises a `CheckpointError`. Only process 0 writes.
 
     Args:
         path: the file to append to (its directory is created).
@@ -39,7 +43,7 @@ class JsonLinesWriter:
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError(f"path must be a file path; got {type(path).__name__}.")
         self.path = os.fspath(path)
-        self._file: IO[str] | None = None
+        self._file: int | None = None
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         r"""Appends a line for the summary and returns it unchanged."""
@@ -56,20 +60,34 @@ class JsonLinesWriter:
         }
         for group, metrics in summary.metrics.items():
             for name, value in metrics.items():
-                number = float(value)
-                record[f"{group}/{name}"] = number if math.isfinite(number) else None
-        stream = self._open()
-        stream.write(json.dumps(record) + "\n")
-        stream.flush()
+                record[f"{group}/{name}"] = _json_value(f"{group}/{name}", value)
+        line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+        descriptor = self._open()
+        size = os.fstat(descriptor).st_size
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(descriptor, line[written:])
+        except OSError as error:
+            try:
+                os.ftruncate(descriptor, size)  # no partial line left behind
+            except OSError:
+                pass
+            raise CheckpointError(
+                f"Cannot append step {record['step']}'s line to {self.path!r}: {error}. "
+                "The lines already there are intact."
+            ) from error
         return checkpoint
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> int:
         if self._file is None:
             directory = os.path.dirname(self.path)
             try:
                 if directory:
                     os.makedirs(directory, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")
+                self._file = os.open(
+                    self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+                )
             except OSError as error:
                 raise CheckpointError(
                     f"Cannot open {self.path!r} for appending: {error}."
@@ -79,7 +97,7 @@ class JsonLinesWriter:
     def close(self) -> None:
         r"""Closes the file (it is reopened by the next write)."""
         if self._file is not None:
-            self._file.close()
+            os.close(self._file)
             self._file = None
 
     def __enter__(self) -> "JsonLinesWriter":
@@ -87,3 +105,31 @@ class JsonLinesWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _json_value(name: str, value: Any) -> Any:
+    r"""A metric as JSON takes it: a number, a (nested) list of numbers, a
+    string or a bool; `None` and non-finite numbers as `null`.
+
+    >>> _json_value("eval/per_class", np.array([0.5, np.nan]))
+    [0.5, None]
+    """
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise MetricError(
+            f"The metric {name!r} is {type(value).__name__} {value!r:.80}, which a JSON "
+            "line cannot hold: give numbers, arrays of numbers, strings or None."
+        ) from None
+    if array.ndim == 0:
+        number = float(array)
+        return number if math.isfinite(number) else None
+    return _finite_or_none(array.tolist())
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_finite_or_none(item) for item in value]
+    return value if math.isfinite(value) else None

@@ -24,10 +24,11 @@ from flax.core.scope import CollectionFilter
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.batch import Batch
+from flax_loop.errors import ApplyError
 from flax_loop.model import split_loss
 from flax_loop.objective import Objective, Part, StepInputs, supervised_loss
 from flax_loop.packing import LayoutChanged, Packing, on_packed
-from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.parallel import DATA_AXIS, Placement, key_names
 from flax_loop.random import loss_key, step_keys
 from flax_loop.state import (
     TrainState,
@@ -49,6 +50,27 @@ def _pmean_floating(tree: Any, axis_name: str) -> Any:
         return leaf
 
     return jax.tree.map(average, tree)
+
+
+def _check_kept(what: str, new: Any, old: Any) -> None:
+    r"""Raises an `ApplyError` (while tracing) naming each variable whose dtype
+    or shape a step changed: the state keeps them from step to step, in
+    every layout (a packed state would otherwise cast it silently)."""
+    changed = [
+        f"{'/'.join(key_names(path))}: {before.dtype}{list(before.shape)} -> "
+        f"{after.dtype}{list(after.shape)}"
+        for (path, before), after in zip(
+            jax.tree_util.tree_flatten_with_path(old)[0], jax.tree.leaves(new)
+        )
+        if before.dtype != after.dtype or before.shape != after.shape
+    ]
+    if changed and jax.tree.structure(new) == jax.tree.structure(old):  # type: ignore[operator]
+        raise ApplyError(
+            f"A step changed the dtype or shape of {what} ({'; '.join(changed[:5])}"
+            f"{'; ...' if len(changed) > 5 else ''}). A variable keeps its dtype and shape "
+            "from step to step: cast the new value in the model (value.astype(old.dtype)), "
+            "or create the variable with the dtype it takes."
+        )
 
 
 def _keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -240,6 +262,8 @@ def build_step(
         grads = objective.by_part(all_grads)
         optimizer_state = objective.by_part(optimizer_states)
         mutated = {name: model_state[name] for name in model_state if name in state.model_state}
+        _check_kept("model_state", mutated, state.model_state)
+        _check_kept("model_params", params, state.model_params)
         # Checking every gradient each step costs ~10% of an MLP's step, so the
         # step checks its loss; a non-finite gradient shows up in the next loss
         # and, at the latest, at the checkpoint (`close_interval`).

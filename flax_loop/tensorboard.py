@@ -3,9 +3,10 @@ r"""`SummaryWriter`: summaries as TensorBoard scalars, through tensorboardX.
 Install the extra: `pip install "flax_loop[tensorboard]"` (no TensorFlow).
 """
 
-import atexit
+import itertools
 import os
 import time
+import weakref
 from typing import Any
 
 from flax_loop.checkpoint import Checkpoint, as_summary, expect
@@ -23,8 +24,11 @@ class SummaryWriter:
     >>> [name.split(".")[0] for name in os.listdir(tmp / "runs")]
     ['events']
 
-    One event file is kept open, flushed after every summary and closed at
-    `close()`, on `with`-exit or at interpreter exit. Only process 0 writes.
+    One event file per writer is kept open, flushed after every summary and
+    closed at `close()`, on `with`-exit, when the writer is dropped, or at
+    interpreter exit. Its name is the writer's own (process id and a
+    counter), so several writers of one directory never share a file. Only
+    process 0 writes.
     """
 
     def __init__(self, output_dir: str) -> None:
@@ -32,6 +36,7 @@ class SummaryWriter:
             raise ConfigError(f"output_dir must be a path; got {type(output_dir).__name__}.")
         self.output_dir = os.fspath(output_dir)
         self._writer: Any | None = None
+        self._closing: weakref.finalize | None = None
 
     def _open(self) -> Any:
         if self._writer is None:
@@ -43,9 +48,13 @@ class SummaryWriter:
                 ) from error
             os.makedirs(self.output_dir, exist_ok=True)
             # The synchronous writer: tensorboardX's SummaryWriter queues events
-            # for a thread, and its flush() does not wait for that queue.
-            self._writer = EventsWriter(os.path.join(self.output_dir, "events"))
-            atexit.register(self.close)
+            # for a thread, and its flush() does not wait for that queue. Its
+            # file name holds the second it was made: the suffix keeps two
+            # writers made in one second apart.
+            suffix = f".{os.getpid()}.{next(_writer_numbers)}"
+            self._writer = EventsWriter(os.path.join(self.output_dir, "events"), suffix)
+            # closed when this writer is dropped or at exit, whichever comes first
+            self._closing = weakref.finalize(self, self._writer.close)
         return self._writer
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
@@ -82,13 +91,16 @@ class SummaryWriter:
 
     def close(self) -> None:
         r"""Flushes and closes the event file."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            atexit.unregister(self.close)
+        if self._closing is not None:
+            self._closing()  # closes the file, once
+            self._closing = None
+        self._writer = None
 
     def __enter__(self) -> "SummaryWriter":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_writer_numbers = itertools.count()

@@ -48,3 +48,63 @@ def test_summaries_and_hyperparameters_reach_the_store(tmp_path):
 def test_a_bad_experiment_is_a_config_error():
     with pytest.raises(ConfigError, match="experiment"):
         MLflowWriter(experiment="")
+
+
+def _history(writer, key):
+    return [(m.step, m.value) for m in writer.client().get_metric_history(writer.run_id, key)]
+
+
+def test_a_store_that_never_answers_costs_a_write_at_most_its_timeout(monkeypatch, capsys):
+    import socket
+    import time
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never answers
+    try:
+        writer = MLflowWriter(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=1.0)
+        checkpoint = digits_loop(n_steps=1, n_devices=1).next_checkpoint()
+        started = time.perf_counter()
+        assert writer(checkpoint) is checkpoint
+        writer.close()
+        assert time.perf_counter() - started < 5
+    finally:
+        silent.close()
+    out = capsys.readouterr().out
+    assert "has not answered in 1 s" in out and "kept and sent again" in out
+
+
+def test_metrics_the_store_refused_are_sent_with_the_next_write(tmp_path, capsys):
+    from mlflow.exceptions import MlflowException
+
+    from flax_loop import Summary
+
+    loop = digits_loop(n_steps=3, n_devices=1)
+    writer = MLflowWriter(f"file://{tmp_path}/mlruns")
+    client = writer.client()
+    real = client.log_batch
+    refusals = [MlflowException("the store is down")]
+
+    def flaky(*args, **kwargs):
+        if refusals:
+            raise refusals.pop()
+        return real(*args, **kwargs)
+
+    client.log_batch = flaky
+    writer.client = lambda: client
+    for checkpoint in loop:
+        writer(
+            Summary(
+                metrics={"eval": {"top-1 (%)": 90.0 + checkpoint.step, "acc": 0.5}},
+                **vars(checkpoint),
+            )
+        )
+    writer.close()
+    out = capsys.readouterr().out
+    assert "the store is down" in out
+    assert "MLflow does not take the metric name 'eval/top-1 (%)'" in out
+    # Nothing lost: step 1's metrics went with step 2's; the bad name was renamed.
+    assert _history(writer, "eval/top-1 ___") == [(1, 91.0), (2, 92.0), (3, 93.0)]
+    assert [step for step, _ in _history(writer, "eval/acc")] == [1, 2, 3]
+    assert client.get_run(writer.run_id).info.status == "FINISHED"

@@ -491,3 +491,164 @@ def test_a_trace_that_cannot_start_or_be_written_is_a_note_and_training_goes_on(
     window = ProfileSteps(start=1, n=1, log_dir=str(tmp_path / "again"))
     list(digits_loop(n_steps=2, n_devices=1, profile=window))
     assert window.problem is None and window.traced_steps == [1]
+
+
+# -- 15. a step that changes a variable's dtype is an error in every layout ----
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_a_variable_whose_dtype_a_step_changes_is_named_in_both_layouts(monkeypatch, packed):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from flax_loop import compiled
+    from flax_loop.errors import ApplyError
+    from tests.helpers import MLP
+
+    class Counting(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            seen = self.variable("counts", "seen", lambda: jnp.zeros(4, jnp.int32))
+            if not self.is_initializing():
+                seen.value = seen.value + 0.25  # int32 + float: float32
+            return MLP()(x)
+
+    if not packed:
+        monkeypatch.setattr(compiled, "_packing_of", lambda state: None)
+    with pytest.raises(ApplyError, match=r"counts/seen: int32\[4\] -> float32\[4\].*astype"):
+        digits_loop(Counting(), n_steps=4, n_devices=1, mutable_collections=["counts"])
+
+
+# -- 14. TensorBoard: a file per writer; a dropped writer closes its file ------
+
+
+def _summary_at(checkpoint, step, **metrics):
+    return Summary(metrics={"eval": metrics}, **{**vars(checkpoint), "step": step})
+
+
+def test_two_tensorboard_writers_of_one_directory_keep_their_own_files(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from flax_loop import SummaryWriter
+    from tests.test_evaluation import read_events
+
+    checkpoint = one_checkpoint()
+    first, second = SummaryWriter(str(tmp_path)), SummaryWriter(str(tmp_path))
+    for step in range(1, 21):
+        first(_summary_at(checkpoint, step, accuracy=step / 100))
+        second(_summary_at(checkpoint, step, f1=step / 50))
+    first.close()
+    second.close()
+    assert len(os.listdir(tmp_path)) == 2
+    scalars = read_events(str(tmp_path))  # every record of both files reads back
+    assert [step for step, _ in scalars["eval/accuracy"]] == list(range(1, 21))
+    assert [step for step, _ in scalars["eval/f1"]] == list(range(1, 21))
+
+
+def test_a_tensorboard_writer_per_checkpoint_leaks_no_file(tmp_path):
+    pytest.importorskip("tensorboardX")
+    import gc
+
+    from flax_loop import SummaryWriter
+
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+
+    checkpoint = one_checkpoint()
+    SummaryWriter(str(tmp_path))(_summary_at(checkpoint, 1, accuracy=0.5))
+    gc.collect()
+    before = open_files()
+    for step in range(2, 102):
+        SummaryWriter(str(tmp_path))(_summary_at(checkpoint, step, accuracy=0.5))
+    gc.collect()
+    assert open_files() <= before + 2
+
+
+# -- 19. JSON lines: any metric a summary holds; a line whole or not at all ----
+
+
+def test_json_lines_hold_vectors_and_none_and_a_failed_write_leaves_no_partial_line(
+    tmp_path, monkeypatch
+):
+    import errno
+    import json
+
+    from flax_loop import JsonLinesWriter, jsonlines
+    from flax_loop.errors import MetricError
+
+    checkpoint = one_checkpoint()
+    path = tmp_path / "metrics.jsonl"
+    writer = JsonLinesWriter(str(path))
+    writer(_summary_at(checkpoint, 1, per_class=np.array([0.5, np.nan]), best=None, name="a"))
+    with pytest.raises(MetricError, match="'eval/bad' is object"):
+        writer(_summary_at(checkpoint, 2, bad=object()))
+
+    class FullDisk:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def write(self, descriptor, data):
+            os.write(descriptor, data[:7])  # part of the line reaches the disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonlines, "os", FullDisk())
+    with pytest.raises(CheckpointError, match="No space left on device.*intact"):
+        writer(_summary_at(checkpoint, 3, accuracy=0.9))
+    monkeypatch.undo()
+    writer(_summary_at(checkpoint, 4, accuracy=0.95))
+    writer.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 4]
+    assert records[0]["eval/per_class"] == [0.5, None]
+    assert records[0]["eval/best"] is None and records[0]["eval/name"] == "a"
+
+
+# -- 12, 13. Orbax: failures are CheckpointErrors; an incomplete step is named --
+
+
+def _orbax_steps(directory, steps=(2, 4)):
+    from flax_loop import OrbaxCheckpointWriter
+
+    loop = digits_loop(n_steps=max(steps), n_steps_per_checkpoint=2, n_devices=1)
+    with OrbaxCheckpointWriter(output_dir=str(directory), keep=5) as writer:
+        for checkpoint in loop:
+            if checkpoint.step in steps:
+                writer(checkpoint)
+
+
+def test_an_orbax_step_left_incomplete_by_pruning_is_named_and_verify_agrees_with_resume(
+    tmp_path,
+):
+    pytest.importorskip("orbax.checkpoint")
+    import shutil
+
+    from flax_loop import OrbaxCheckpointReader
+
+    _orbax_steps(tmp_path)
+    shutil.rmtree(tmp_path / "2" / "meta")  # a kill while Orbax deleted step 2
+    code, out = cli_output("verify", str(tmp_path))
+    assert code == cli.EXIT_OK, out
+    assert "incomplete: " in out and "holds no meta" in out and "1 of 2 checkpoints" in out
+    assert OrbaxCheckpointReader(dir=str(tmp_path), target=None).steps()[-1] == 4
+    shutil.rmtree(tmp_path / "4" / "state")  # now nothing intact resumes
+    code, out = cli_output("verify", str(tmp_path))
+    assert code == cli.EXIT_DAMAGED, out
+
+
+def test_an_orbax_failure_on_close_is_a_checkpoint_error_and_frees_the_directory(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    from flax_loop import OrbaxCheckpointWriter
+
+    checkpoint = one_checkpoint()
+    writer = OrbaxCheckpointWriter(output_dir=str(tmp_path))
+    writer(checkpoint)
+    writer.wait()  # the real write is done: what fails below is the stand-in's
+
+    def full_disk():
+        raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
+
+    writer._manager.wait_until_finished = full_disk
+    with pytest.raises(CheckpointError, match="Orbax failed to finish a write.*RESOURCE_EXHAUSTED"):
+        writer.close()
+    lock = _lock.DirectoryLock(str(tmp_path), "orbax.")
+    lock.acquire(wait_seconds=0)  # released all the same
+    lock.release()

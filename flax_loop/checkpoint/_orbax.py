@@ -188,14 +188,21 @@ class OrbaxCheckpointWriter:
         """
         manager, self._manager = self._manager, None
         _open_writers.discard(self)
+        failure: CheckpointError | None = None
         try:
             if manager is not None:
                 try:
                     _orbax_call("finish a write to", self.output_dir, manager.wait_until_finished)
-                finally:
+                except CheckpointError as error:
+                    failure = error
+                try:
                     _orbax_call("close", self.output_dir, manager.close)
+                except CheckpointError as error:
+                    failure = failure or error  # the first failure says what went wrong
         finally:
             self._release()
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> "OrbaxCheckpointWriter":
         return self
