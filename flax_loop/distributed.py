@@ -8,12 +8,24 @@ If one process raises a flax_loop error, the others would wait for it in
 their next collective forever. So the failing process posts its error to
 `jax.distributed`'s key-value store, and a watcher thread in every other
 process ends that process with the same message within about a second.
+A process that dies without a word (SIGKILL, the out-of-memory killer)
+stops beating: the watchers beat in the store every 0.25 s, and a peer
+silent for `SILENT_SECONDS` ends the others, named, within a few seconds
+(`jax.distributed` alone would abort them after ~100 s, saying nothing).
+A process that ends normally says so first, and is not waited for. (One
+killed in the middle of a collective makes gloo abort its peers at once,
+with gloo's own message: nothing in Python runs then.)
+
+A process that fails exits with status 1 as Python's uncaught exception
+does, not killed by `jax.distributed`'s shutdown (which aborts a process
+whose peers have gone).
 """
 
 import atexit
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -22,8 +34,15 @@ import numpy as np
 from flax_loop.errors import FlaxLoopError
 
 _ERROR_KEY = "flax_loop/error"
+_ALIVE = "flax_loop/alive/"
+_DONE = "flax_loop/done/"
 EXIT_CODE = 70
 r"""The exit status of a process ended because another process failed."""
+
+SILENT_SECONDS = 5.0
+r"""How long a peer may go without beating before it is taken for dead."""
+
+_failed = False  # this process raised an exception that ends it
 
 
 def is_multiprocess() -> bool:
@@ -80,6 +99,23 @@ def report_error(error: BaseException) -> None:
         client.key_value_set(_ERROR_KEY, message)
     except Exception:  # already set by another process: theirs is reported
         pass
+    _note_uncaught()
+
+
+def _note_uncaught() -> None:
+    r"""Notes when the error ends the program uncaught, so that the process
+    exits with status 1 before `jax.distributed`'s shutdown can abort it."""
+    previous = sys.excepthook
+    if getattr(previous, "_flax_loop", False):
+        return
+
+    def hook(*args: Any) -> None:
+        global _failed
+        _failed = True
+        previous(*args)
+
+    hook._flax_loop = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 class FailureWatcher:
@@ -113,7 +149,16 @@ class FailureWatcher:
 
     def _watch(self, client: Any) -> None:
         me = str(jax.process_index())
+        beats: dict[str, tuple[str, float]] = {}  # each peer's last beat, and when it changed
+        beat = 0
         while not self._stop.is_set():
+            beat += 1
+            silent = self._check_peers(client, me, str(beat), beats)
+            if silent is not None:
+                _stop_this_process(
+                    f"process {silent} stopped answering (killed, or out of memory: "
+                    f"no word from it for {SILENT_SECONDS:g} s), so process {me} stops too."
+                )
             try:
                 message = client.blocking_key_value_get(_ERROR_KEY, self._poll_ms)
             except Exception:
@@ -123,13 +168,54 @@ class FailureWatcher:
             process, _, text = str(message).partition(":")
             if process == me or self._stop.is_set():
                 return
-            sys.stderr.write(
-                f"flax_loop: process {process} failed, so process {me} stops too: {text}\n"
-            )
-            sys.stderr.flush()
-            # This process may be blocked in a collective that will never
-            # complete; only leaving the process ends it.
-            os._exit(EXIT_CODE)
+            if me == "0":
+                # This process holds the coordination service: leaving before the
+                # failed one has ended would make jax.distributed abort it.
+                try:
+                    client.blocking_key_value_get(_DONE + process, int(SILENT_SECONDS * 1000))
+                except Exception:
+                    pass
+            _stop_this_process(f"process {process} failed, so process {me} stops too: {text}")
+
+    @staticmethod
+    def _check_peers(
+        client: Any, me: str, beat: str, beats: dict[str, tuple[str, float]]
+    ) -> str | None:
+        r"""Beats, and returns a peer that has been silent too long, if any."""
+        try:
+            client.key_value_set(_ALIVE + me, beat, allow_overwrite=True)
+            alive = dict(client.key_value_dir_get(_ALIVE))
+            done = {key.rpartition("/")[2] for key, _ in client.key_value_dir_get(_DONE)}
+        except Exception:  # the client is shutting down
+            return None
+        now = time.monotonic()
+        for key, value in alive.items():
+            peer = key.rpartition("/")[2]
+            if peer == me or peer in done:
+                continue
+            last = beats.get(peer)
+            if last is None or last[0] != value:
+                beats[peer] = (value, now)
+            elif now - last[1] > SILENT_SECONDS:
+                return peer
+        return None
+
+    def say_done(self) -> None:
+        r"""Tells the other processes that this one ends normally."""
+        client = _client() if self._thread is not None else None
+        if client is not None:
+            try:
+                client.key_value_set(_DONE + str(jax.process_index()), "1", allow_overwrite=True)
+            except Exception:
+                pass
+
+
+def _stop_this_process(why: str) -> None:
+    sys.stderr.write(f"flax_loop: {why}\n")
+    sys.stderr.flush()
+    # This process may be blocked in a collective that will never complete;
+    # only leaving the process ends it.
+    os._exit(EXIT_CODE)
 
 
 _watcher: FailureWatcher | None = None
@@ -160,6 +246,12 @@ class failing_together:
 
 
 def _stop_watching() -> None:
+    if _watcher is not None:
+        _watcher.say_done()
+    if _failed:  # an uncaught error: exit as Python would, before jax.distributed aborts
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if _watcher is not None:
         _watcher.__exit__()
 

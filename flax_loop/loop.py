@@ -134,7 +134,9 @@ class TrainLoop:
             updated in the compiled step (`ema = ema_decay * ema + (1 -
             ema_decay) * params`, starting at the parameters), returned as
             `Checkpoint.ema_params` and saved in checkpoints; `EvalLoop(...,
-            use_ema=True)` evaluates it.
+            use_ema=True)` evaluates it. It has the parameters' dtype: keep
+            float32 parameters with a decay near 1 (in bfloat16 the small
+            updates are partly rounded away).
         profile: a `ProfileSteps` window of steps to trace with `jax.profiler`.
         prefetch: batches a background thread reads ahead of the devices
             (a slow source then reads while they compute; each checkpoint

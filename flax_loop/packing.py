@@ -7,8 +7,12 @@ has dozens of leaves (a kernel and a bias per layer, and their two Adam
 moments), which make most of its step. So the leaves of a replicated state
 of at most `MAX_LEAF_BYTES` each travel between steps concatenated, one flat
 array per dtype; inside the compiled step they are slices of it again
-(`Packing.unpack`), and what the step computes is unchanged (a BatchNorm
-and Dropout net's parameters bit for bit, tests/test_packing.py). Larger
+(`Packing.unpack`), and what the step computes is unchanged up to float
+rounding (a BatchNorm and Dropout net's parameters bit for bit; an MLP
+40-1500-4 with Adam within 4e-7 relative after 30 steps, XLA summing a
+bias's gradient in another order: tests/test_packing.py). Whether a state
+is packed depends on its shapes and dtypes alone, so two runs of one model
+always share a layout, and the loop's bitwise guarantees hold. Larger
 leaves travel as they are: concatenating them would cost each step a copy
 (an MLP 784-512-512-10 packed whole ran at 0.70 of its unpacked speed).
 

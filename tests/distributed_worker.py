@@ -29,6 +29,10 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true")
     parser.add_argument("--tensorboard", default=None)
     parser.add_argument("--batch-delay", type=float, default=0.0)
+    parser.add_argument("--body-delay", type=float, default=0.0, help="seconds a checkpoint")
+    parser.add_argument(
+        "--data-ends-at", type=int, default=0, help="the last process's stream ends there"
+    )
     parser.add_argument("--sharding", default="replicated")
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints in --dir")
     parser.add_argument("--keep", type=int, default=1)
@@ -89,6 +93,8 @@ def main() -> None:
         def __next__(self):
             if args.batch_delay:
                 time.sleep(args.batch_delay)
+            if args.data_ends_at and self.step == args.data_ends_at and args.process_id == 1:
+                raise StopIteration
             self.step += 1
             index = np.random.default_rng([7, self.step]).choice(len(x), 32, replace=False)
             mine = index[low:high]
@@ -135,6 +141,7 @@ def main() -> None:
             writer(checkpoint)
         preempted = " preempted" if checkpoint.preempted else ""
         print(f"STEP {checkpoint.step} loss {checkpoint.loss:.6f}{preempted}", flush=True)
+        time.sleep(args.body_delay)
     result = {}
     if checkpoint is not None:
         result.update(

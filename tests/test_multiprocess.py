@@ -257,3 +257,30 @@ def test_a_damaged_file_seen_by_one_process_stops_every_process(tmp_path):
     assert code_1 != 0 and "CheckpointCorruptError" in output_1
     assert code_0 != 0 and "process 1 failed" in output_0
     assert "CheckpointCorruptError" in output_0
+
+
+def test_a_killed_process_stops_the_other_within_seconds_naming_it(tmp_path):
+    import signal
+
+    # Process 0 is in its loop's body (not in a collective) when 1 is killed.
+    processes = start_all(2, "--n-steps", 2000, "--every", 10, "--body-delay", 60)
+    try:
+        for line in processes[0].stdout:
+            if line.startswith("STEP 10 "):
+                processes[1].send_signal(signal.SIGKILL)  # no word from it, ever
+                killed = time.monotonic()
+                break
+        output = processes[0].communicate(timeout=TIMEOUT)[0]
+        took = time.monotonic() - killed
+    finally:
+        stop_all(processes)
+    assert processes[0].returncode == 70, output[-3000:]
+    assert "process 1 stopped answering" in output
+    assert took < 30  # jax.distributed alone: ~100 s, then SIGABRT
+
+
+def test_a_process_whose_data_ends_early_exits_1_and_the_other_70(tmp_path):
+    results = launch(2, "--n-steps", 20, "--data-ends-at", 5, timeout=120)
+    (code_0, output_0), (code_1, output_1) = results
+    assert code_1 == 1 and "DataExhaustedError" in output_1, output_1[-3000:]
+    assert code_0 == 70 and "process 1 failed" in output_0, output_0[-3000:]

@@ -1,5 +1,6 @@
 """The state travels between steps packed into a few flat arrays, and computes the same."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,3 +131,56 @@ def test_a_large_state_travels_unpacked():
     state_bytes = 3 * sum(leaf.nbytes for leaf in jax.tree.leaves(checkpoint.model_params))
     assert state_bytes > MAX_STATE_BYTES
     assert np.isfinite(checkpoint.loss)
+
+
+class _Wide(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(self.width)(x)))
+
+
+def _wide_params(monkeypatch, width, packed):
+    from flax_loop import TrainLoop, TrainTask
+
+    if not packed:
+        monkeypatch.setattr(flax_loop.compiled, "_packing_of", lambda state: None)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 40)).astype(np.float32)
+    y = rng.integers(0, 4, 64).astype(np.int32)
+    model = _Wide(width)
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(
+            model.apply,
+            optax.adam(1e-3),
+            lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
+                logits, labels
+            ).mean(),
+            iter(lambda: (x, y), None),
+        ),
+        rnkey=jax.random.key(0),
+        n_steps=30,
+        n_steps_per_checkpoint=30,
+        stdout=False,
+        devices=jax.devices()[:1],
+    )
+    checkpoint = loop.next_checkpoint()
+    monkeypatch.undo()
+    return loop.compiled.packing is not None, checkpoint.model_params
+
+
+@pytest.mark.parametrize("width", [1000, 1500, 1900, 2000])
+def test_packed_and_unpacked_agree_to_rounding_near_the_size_cap(monkeypatch, width):
+    from tests.helpers import relative_difference
+
+    packed, params = _wide_params(monkeypatch, width, packed=True)
+    # Adam's three copies of 45 * width floats: packed up to the 1 MiB cap
+    assert packed == (width < 1940)
+    again = _wide_params(monkeypatch, width, packed=True)[1]
+    assert relative_difference(params, again) == 0.0  # one layout: bit for bit
+    unpacked = _wide_params(monkeypatch, width, packed=False)[1]
+    assert relative_difference(params, unpacked) < 1e-6
+    if width in (1000, 2000):  # packed with its second kernel, or not packed
+        assert relative_difference(params, unpacked) == 0.0
