@@ -652,3 +652,27 @@ def test_an_orbax_failure_on_close_is_a_checkpoint_error_and_frees_the_directory
     lock = _lock.DirectoryLock(str(tmp_path), "orbax.")
     lock.acquire(wait_seconds=0)  # released all the same
     lock.release()
+
+
+def test_a_damaged_orbax_step_is_reported_once_without_asyncio_tracebacks(tmp_path, capfd):
+    pytest.importorskip("orbax.checkpoint")
+    import gc
+
+    from flax_loop import OrbaxCheckpointReader
+    from tests.helpers import MLP
+
+    _orbax_steps(tmp_path)
+    for root, _, names in os.walk(tmp_path / "4" / "state"):
+        for name in names:
+            if f"ocdbt.process_0{os.sep}d" in os.path.join(root, name):
+                open(os.path.join(root, name), "wb").close()  # the arrays' bytes gone
+    capfd.readouterr()
+    reader = OrbaxCheckpointReader(dir=str(tmp_path), target=MLP().init)
+    loop = digits_loop(n_steps=6, n_steps_per_checkpoint=2, n_devices=1, init=reader)
+    gc.collect()
+    assert loop.step == 2
+    out, err = capfd.readouterr()
+    assert out.count("Skipped a damaged Orbax checkpoint") == 1
+    assert len(out.splitlines()) == 1 and len(out) < 500  # one line, no TensorStore spec
+    assert "never retrieved" not in err and "Event loop is closed" not in err
+    assert "Exception ignored" not in err

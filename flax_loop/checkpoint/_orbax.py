@@ -15,12 +15,16 @@ state). Needs `pip install flax_loop[orbax]`.
 [3, 4]
 """
 
+import contextlib
+import gc
+import logging
 import math
 import operator
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +218,32 @@ class OrbaxCheckpointWriter:
         return id(self)
 
 
+@contextlib.contextmanager
+def _quiet_async_failures() -> Iterator[None]:
+    r"""While a damaged step is read, Orbax leaves the failures of its other
+    reads in asyncio futures and coroutines nobody retrieves, which Python
+    prints with their tracebacks when they are collected: the reader
+    reports the step once, so those are dropped (collected here, while
+    quiet)."""
+    logger = logging.getLogger("asyncio")
+    level, hook = logger.level, sys.unraisablehook
+    logger.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None  # "Exception ignored in: <coroutine ...>"
+    try:
+        yield
+    finally:
+        gc.collect()
+        logger.setLevel(level)
+        sys.unraisablehook = hook
+
+
+def _first_line(error: BaseException) -> str:
+    r"""An error's first line, at most 300 characters (Orbax's hold whole
+    TensorStore specs)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _orbax_call(doing: str, directory: str, function: Any, *args: Any) -> Any:
     r"""`function(*args)`, with Orbax's own failures as a `CheckpointError`."""
     try:
@@ -333,13 +363,15 @@ class OrbaxCheckpointReader:
             for step in sorted(manager.all_steps(), reverse=True):
                 where = os.path.join(self.dir, str(step))
                 try:
-                    return self._restore_step(manager, step, template, where)
+                    with _quiet_async_failures():
+                        return self._restore_step(manager, step, template, where)
                 except CheckpointMismatchError:
                     raise
                 except Exception as error:
-                    problems.append(f"{where}: {error}")
+                    why = _first_line(error)
+                    problems.append(f"{where}: {why}")
                     log(
-                        f"{where}: {error}",
+                        f"{where}: {why}",
                         lead="Skipped a damaged Orbax checkpoint:",
                         style="yellow",
                     )
