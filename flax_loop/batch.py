@@ -103,10 +103,21 @@ def normalize_batch(batch: UnnormalizedBatch) -> Batch:
             if isinstance(batch, (tuple, list))
             else f"a {type(batch).__name__}"
         )
+        hint = ""
+        if isinstance(batch, dict) and batch:
+            keys = list(batch)
+            pair = f"(batch[{keys[0]!r}], batch[{keys[-1]!r}])" if len(keys) > 1 else None
+            hint = (
+                f" For a dict, yield {pair} from the stream"
+                if pair
+                else " For a dict, yield (inputs, targets) pairs from the stream"
+            ) + (
+                ", or give TrainTask(compute_loss=fn), which takes the batch as it is (any pytree)."
+            )
         raise BatchError(
             f"A batch must be a pair (inputs, targets), such as (x, y), "
             f"((x, ...), (y, ...)) or ((x, ...), ()); got {kind}: "
-            f"{_preview(batch)}."
+            f"{_preview(batch)}.{hint}"
         )
     inputs = normalize_group(batch[0], "inputs")
     if not inputs:

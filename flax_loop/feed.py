@@ -27,6 +27,7 @@ has read.
 """
 
 import copy
+import inspect
 import statistics
 import time
 from collections import deque
@@ -124,6 +125,13 @@ class BatchFeed:
         if self._probe is not None:
             self._probe.append(time.perf_counter() - started)
         if first is None:
+            if inspect.isgenerator(data) and data.gi_frame is None:
+                raise DataExhaustedError(
+                    "task.data is a generator that has already run to its end (was it "
+                    "read before, say by a first TrainLoop or a look at its batches?). "
+                    "Make a new generator for this loop, or give a re-iterable source "
+                    "(a list, a DataLoader, a grain dataset)."
+                )
             raise DataExhaustedError(
                 "task.data yielded no batch: the data stream is empty. Give it "
                 "at least one batch (check the data set's size and batch size)."
@@ -336,7 +344,7 @@ class BatchFeed:
         try:
             batch = self._normalize(raw)
         except BatchError as error:
-            raise BatchError(f"The batch for step {for_step}: {error}") from error
+            raise BatchError(f"The batch for step {for_step}: {error}") from None
         smaller = spec is not None and batch[0][0].shape[:1] < (self._size,)
         if smaller and spec.shorter(batch) and self._source.ends_after():  # type: ignore[union-attr]
             # A stream's shorter last batch (a DataLoader's, tf.data's): trained

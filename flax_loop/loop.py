@@ -35,7 +35,13 @@ from flax_loop.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.compiled import CompiledSteps
 from flax_loop.console import describe_model
-from flax_loop.errors import ConfigError, DataExhaustedError, StateLostError, check_count
+from flax_loop.errors import (
+    ConfigError,
+    DataExhaustedError,
+    FlaxLoopError,
+    StateLostError,
+    check_count,
+)
 from flax_loop.feed import BatchFeed
 from flax_loop.initial import InitFn, Reader, initial_state, placed, run_key, run_once
 from flax_loop.interval import Intervals
@@ -279,16 +285,24 @@ class TrainLoop:
                 shards=None if shardings is None else placement.batch_sharding,
                 ema_decay=ema_decay,
             )
-            self._steps = CompiledSteps(
-                update,
-                placement,
-                self._state,
-                self._feed.sample_batch,
-                self._train_key,
-                self._plan,
-                shardings,
-                objective.grads_like,
-            )
+            try:
+                self._steps = CompiledSteps(
+                    update,
+                    placement,
+                    self._state,
+                    self._feed.sample_batch,
+                    self._train_key,
+                    self._plan,
+                    shardings,
+                    objective.grads_like,
+                )
+            except Exception as error:  # say what the step was traced with
+                if not isinstance(error, FlaxLoopError):
+                    error.add_note(
+                        "flax_loop: raised while tracing the training step (the model and "
+                        f"the loss) on the first batch: {self._feed.spec.describe()}."
+                    )
+                raise
             self._state = self._steps.state
             if not placement.multiprocess:
                 self._steps.interrupted = lambda: guard.interrupted

@@ -9,6 +9,7 @@ Violations become `ApplyError` and `LossError` exceptions that say what to pass.
 ()
 """
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,11 +54,15 @@ def call_apply(
     except ApplyError:
         raise
     except InvalidRngError as error:
+        found = re.search(r'PRNG for "([^"]+)"', str(error))
+        stream = found.group(1) if found else "dropout"
+        given = sorted(rngs)
         raise ApplyError(
-            f"The model asks for an RNG stream that flax_loop was not told of ({error}). "
-            "Name it in TrainLoop(collections={'apply': ['dropout']}) (and in EvalLoop's "
-            "collections if evaluation needs it)."
-        ) from error
+            f"The model asks for the RNG stream {stream!r}, which flax_loop was not told "
+            f"of (the streams given: {given}). Name it: TrainLoop(collections="
+            f"{{'apply': {sorted({*given, stream})}}}) (and in EvalLoop's collections if "
+            "evaluation needs it)."
+        ) from None
     except TypeError as error:
         if "rngs" not in str(error) and "mutable" not in str(error):
             raise

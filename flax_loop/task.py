@@ -140,6 +140,12 @@ def check_train_task(task: Any) -> TrainTask:
         )
     if not (callable(task.apply) or is_nnx(task.apply)):
         raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
+    if hasattr(task.apply, "lower") and hasattr(task.apply, "trace"):  # jax.jit(model.apply)
+        raise ConfigError(
+            "task.apply is compiled with jax.jit: pass the un-jitted model.apply. "
+            "flax_loop compiles the whole step itself (the model, the loss and the "
+            "update as one program)."
+        )
     if loss is not None and not callable(loss):
         raise ConfigError(f"task.loss must be callable; got {loss!r}.")
     frozen = getattr(task, "frozen", None)

@@ -167,6 +167,20 @@ def apply_without_state(variables, x, rngs=None, mutable=False):
 DROPOUT_MODEL = BatchNormDropoutNet()
 
 
+class NoisyMLP(MLP):
+    """An MLP that draws from an RNG stream named "z"."""
+
+    def __call__(self, x):
+        noise = jax.random.normal(self.make_rng("z"), (self.n_classes,))
+        return super().__call__(x) + 0 * noise
+
+
+def consumed_generator():
+    batches_once = (batch for _, batch in zip(range(2), stream()))
+    list(batches_once)
+    return batches_once
+
+
 def raising_init(*args, **kwargs):
     raise ValueError("boom: the model cannot take these inputs")
 
@@ -323,10 +337,30 @@ CASES = {
         "must return \\(outputs, mutated variables\\).*returned an array of shape \\(\\d+, 10\\)"
         ".*mutable_collections=False",
     ),
+    "jitted-apply": (
+        lambda d: train(d, init=MODEL.init, apply=jax.jit(MODEL.apply)),
+        ConfigError,
+        "task.apply is compiled with jax.jit: pass the un-jitted model.apply",
+    ),
+    "rng-stream-without-collections": (
+        lambda d: train(d, init=NoisyMLP().init, model=NoisyMLP()),
+        ApplyError,
+        "the RNG stream 'z'.*collections=\\{'apply': \\[.*'z'\\]\\}",
+    ),
+    "exhausted-generator": (
+        lambda d: train(d, data=consumed_generator()),
+        DataExhaustedError,
+        "a generator that has already run to its end.*Make a new generator",
+    ),
+    "dict-batches": (
+        lambda d: train(d, data=({"image": x, "label": y} for x, y in stream())),
+        BatchError,
+        "got a dict.*yield \\(batch\\['image'\\], batch\\['label'\\]\\).*compute_loss",
+    ),
     "dropout-without-collections": (
         lambda d: train(d, init=DROPOUT_MODEL.init, model=DROPOUT_MODEL),
         ApplyError,
-        "RNG stream .*collections=\\{'apply': \\['dropout'\\]\\}",
+        "RNG stream 'dropout'.*collections=\\{'apply': \\['dropout'\\]\\}",
     ),
     "eval-n-steps-zero": (
         lambda d: EvalLoop(
@@ -377,3 +411,13 @@ def test_bad_input(name, pristine, tmp_path):
         case(str(directory))
     assert isinstance(raised.value, FlaxLoopError)
     assert snapshot(directory) == before
+
+
+def test_an_error_raised_while_tracing_the_step_names_the_first_batch(tmp_path):
+    float_labels = ((x, y.astype(np.float32)) for x, y in stream())
+    with pytest.raises(TypeError) as raised:
+        train(tmp_path, data=float_labels, init=MODEL.init)
+    assert any(
+        "tracing the training step" in note and "targets (32,) float32" in note
+        for note in raised.value.__notes__
+    )
