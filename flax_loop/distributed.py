@@ -171,10 +171,7 @@ class FailureWatcher:
             if me == "0":
                 # This process holds the coordination service: leaving before the
                 # failed one has ended would make jax.distributed abort it.
-                try:
-                    client.blocking_key_value_get(_DONE + process, int(SILENT_SECONDS * 1000))
-                except Exception:
-                    pass
+                self._wait_for_end(client, me, process, beats)
             _stop_this_process(f"process {process} failed, so process {me} stops too: {text}")
 
     @staticmethod
@@ -199,6 +196,21 @@ class FailureWatcher:
             elif now - last[1] > SILENT_SECONDS:
                 return peer
         return None
+
+    def _wait_for_end(
+        self, client: Any, me: str, process: str, beats: dict[str, tuple[str, float]]
+    ) -> None:
+        r"""Waits until `process` says it ends, goes silent, or a minute passes
+        (its exit may first wait for its threads: a compilation, a write)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                client.blocking_key_value_get(_DONE + process, self._poll_ms)
+                return
+            except Exception:  # not yet
+                pass
+            if self._check_peers(client, me, str(time.monotonic()), beats) == process:
+                return
 
     def say_done(self) -> None:
         r"""Tells the other processes that this one ends normally."""

@@ -359,9 +359,19 @@ class TrainLoop:
         return list(self._placement.devices)
 
     def __iter__(self) -> Iterator[Checkpoint]:
+        self._check_n_steps()
         return self._run(target=None)
 
+    def _check_n_steps(self) -> None:
+        if self._n_steps == 0 and self._step == 0:
+            raise ConfigError(
+                "n_steps is 0 (its default), so iterating the loop would train nothing: "
+                "pass TrainLoop(..., n_steps=N), the total number of steps to train "
+                "(or call loop.next_checkpoint() for one interval at a time)."
+            )
+
     def __next__(self) -> Checkpoint:
+        self._check_n_steps()
         return next(self._run(target=None))
 
     def next_checkpoint(self) -> Checkpoint:

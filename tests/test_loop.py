@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from flax_loop import DATA_AXIS, Checkpoint, EvalLoop, EvalTask, TrainLoop, TrainTask
-from flax_loop.errors import DataExhaustedError
+from flax_loop.errors import ConfigError, DataExhaustedError
 from tests.helpers import (
     MLP,
     BatchNormDropoutNet,
@@ -160,7 +160,8 @@ def test_next_checkpoint_and_run_do_not_clobber_n_steps():
 def test_notebook_style_with_default_n_steps():
     loop = make_loop(1, n_steps_per_checkpoint=5)
     assert loop.n_steps == 0
-    assert list(loop) == []
+    with pytest.raises(ConfigError, match="n_steps is 0"):  # iterating would train nothing
+        list(loop)
     assert [loop.next_checkpoint().step for _ in range(3)] == [5, 10, 15]
     loop.n_steps_per_checkpoint = 2
     assert loop.next_checkpoint().step == 16
@@ -449,9 +450,14 @@ def test_batchnorm_on_the_data_axis_makes_four_devices_compute_what_one_computes
 
 def test_a_loop_with_nothing_to_train_says_why(capsys):
     loop = make_loop(1, stdout=True)  # n_steps left at its default, 0
+    with pytest.raises(ConfigError, match="n_steps is 0 .*would train nothing.*n_steps=N"):
+        list(loop)
+    loop.n_steps = 2
+    assert [checkpoint.step for checkpoint in loop] == [1, 2]
+    loop.n_steps = 1  # a finished run iterated again: said, not an error
     assert list(loop) == []
     out = " ".join(capsys.readouterr().out.split())
-    assert "Nothing to train: the loop is at step 0 and trains to step 0" in out
+    assert "Nothing to train: the loop is at step 2 and trains to step 1" in out
     assert "n_steps is the total" in out
 
 
