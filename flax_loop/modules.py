@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 from flax.core.scope import CollectionFilter
+
+from flax_loop.errors import ConfigError
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -46,6 +49,26 @@ def is_nnx(value: Any) -> bool:
     program imported flax.nnx can it hold one."""
     imported = sys.modules.get("flax.nnx")
     return imported is not None and isinstance(value, imported.Module)
+
+
+def _check_call_keywords(kind: type, parameters: Mapping[str, inspect.Parameter]) -> None:
+    r"""A `ConfigError` for a module whose `__call__` needs a keyword that
+    flax_loop does not give (say `train`)."""
+    needed = [
+        name
+        for name, parameter in parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        and parameter.default is inspect.Parameter.empty
+        and name != "rngs"
+    ]
+    if needed:
+        raise ConfigError(
+            f"{kind.__name__}.__call__ requires the keyword {', '.join(map(repr, needed))}: "
+            "flax_loop calls an NNX module as module(*inputs) (with rngs= if it takes "
+            "them), and sets its mode itself: module.train() while training, "
+            "module.eval() in EvalLoop, which nnx.Dropout and nnx.BatchNorm follow. "
+            "Drop the keyword (read the mode from the layers), or give it a default."
+        )
 
 
 class NNXModel:
@@ -68,7 +91,9 @@ class NNXModel:
         self._rest = nnx.to_pure_dict(rest)
         self._templates = (params, rest)
         self._train = train
-        self._takes_rngs = "rngs" in inspect.signature(type(module).__call__).parameters
+        parameters = inspect.signature(type(module).__call__).parameters
+        self._takes_rngs = "rngs" in parameters
+        _check_call_keywords(type(module), parameters)
 
     def init(self, rngs: Any, *inputs: Any, mutable: CollectionFilter = True) -> dict[str, Any]:
         r"""The module's current variables: `{"params": ..., **other state}`."""

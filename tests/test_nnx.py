@@ -191,3 +191,22 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     out = run(resume_worker(resumed, 20, *options, "--out", tmp_path / "b.npz"))
     assert "START 10" in out
     assert_same_arrays(tmp_path / "a.npz", tmp_path / "b.npz")
+
+
+def test_a_call_that_requires_a_train_keyword_is_a_config_error_saying_how_modes_are_set():
+    from flax import nnx
+
+    from flax_loop.errors import ConfigError
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(64, 10, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x, *, train):
+            return self.dropout(self.linear(x), deterministic=not train)
+
+    with pytest.raises(
+        ConfigError, match=r"Net.__call__ requires the keyword 'train'.*module\.train\(\)"
+    ):
+        nnx_loop(Net(nnx.Rngs(0)), n_steps=2)
