@@ -14,17 +14,19 @@ whose size does not divide by the device count are padded and the padding
 is masked out: every example counts once, none is dropped.
 """
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.errors import ModifyScopeVariableError
 
 from flax_loop import distributed
 from flax_loop.batch import Batch, leading_size, normalize_batch
 from flax_loop.checkpoint import Checkpoint, Summary, expect, summarize
-from flax_loop.errors import ConfigError, DataExhaustedError, check_count
+from flax_loop.errors import ApplyError, ConfigError, DataExhaustedError, check_count
 from flax_loop.modules import as_apply
 from flax_loop.parallel import InFlight, Placement, to_host
 from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
@@ -232,7 +234,18 @@ class EvalLoop:
         # The batch's key is derived here, not on the host: two fold_in
         # dispatches per batch cost 10% of a small model's evaluation.
         rngs = into_collection(eval_key(key, step, index), self._labels)
-        outputs = self._apply(variables, *inputs, rngs=rngs)
+        try:
+            outputs = self._apply(variables, *inputs, rngs=rngs)
+        except ModifyScopeVariableError as error:
+            found = re.search(r'collection "([^"]+)"', str(error))
+            collection = found.group(1) if found else "batch_stats"
+            raise ApplyError(
+                f"The model changes its {collection!r} while it is evaluated ({error}): it "
+                "runs in training mode (a BatchNorm updating its statistics). Give "
+                "EvalTask the model in evaluation mode, e.g. EvalTask(apply="
+                "functools.partial(model.apply, train=False), ...) for a module with a "
+                "train argument, or a module built with use_running_average=True."
+            ) from None
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
         weights = mask.astype(jnp.float32)

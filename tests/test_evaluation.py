@@ -337,3 +337,26 @@ def test_json_lines_writer_appends_one_record_per_summary(checkpoint, tmp_path):
     pandas = pytest.importorskip("pandas")
     frame = pandas.read_json(path, lines=True)
     assert list(frame["step"]) == [checkpoint.step] * 3
+
+
+def test_a_model_evaluated_in_training_mode_is_an_apply_error_with_the_remedy():
+    from flax_loop.errors import ApplyError
+    from tests.helpers import BatchNormDropoutNet, digits_loop
+
+    model = BatchNormDropoutNet()
+    loop = digits_loop(model, n_steps=2, n_devices=1, collections={"apply": ["dropout"]})
+    checkpoint = loop.next_checkpoint()
+    task = EvalTask(model.apply, {"accuracy": accuracy}, [(X_TEST, Y_TEST)])
+    collections = {"apply": ["dropout"]}
+    with pytest.raises(
+        ApplyError, match="changes its 'batch_stats' while it is evaluated.*train=False"
+    ):
+        EvalLoop(task, jax.random.key(1), n_steps=None, collections=collections)(checkpoint)
+    evaluation = EvalTask(
+        partial(model.apply, train=False), {"accuracy": accuracy}, [(X_TEST, Y_TEST)]
+    )
+    summary = EvalLoop(evaluation, jax.random.key(1), n_steps=None)(checkpoint)
+    variables = {"params": checkpoint.model_params, **checkpoint.model_state}
+    logits = model.apply(variables, X_TEST, train=False)
+    expected = float(np.mean(np.argmax(logits, -1) == Y_TEST))
+    assert summary.metrics["eval"]["accuracy"] == pytest.approx(expected, abs=1e-6)
