@@ -223,9 +223,10 @@ class _no_error:
 # -- 4. only regular files are read; anything else is reported and skipped -----
 
 
-def _written(directory, steps=(2, 4)):
+def _written(directory, steps=(2, 4), writer_type=CheckpointFileWriter):
+    """`directory` holding the checkpoints of `steps` (a run checkpointing every 2)."""
     loop = digits_loop(n_steps=max(steps), n_steps_per_checkpoint=2, n_devices=1)
-    with CheckpointFileWriter(output_dir=str(directory), keep=5) as writer:
+    with writer_type(output_dir=str(directory), keep=5) as writer:
         for checkpoint in loop:
             if checkpoint.step in steps:
                 writer(checkpoint)
@@ -608,11 +609,7 @@ def test_json_lines_hold_vectors_and_none_and_a_failed_write_leaves_no_partial_l
 def _orbax_steps(directory, steps=(2, 4)):
     from flax_loop import OrbaxCheckpointWriter
 
-    loop = digits_loop(n_steps=max(steps), n_steps_per_checkpoint=2, n_devices=1)
-    with OrbaxCheckpointWriter(output_dir=str(directory), keep=5) as writer:
-        for checkpoint in loop:
-            if checkpoint.step in steps:
-                writer(checkpoint)
+    _written(directory, steps, OrbaxCheckpointWriter)
 
 
 def test_an_orbax_step_left_incomplete_by_pruning_is_named_and_verify_agrees_with_resume(
