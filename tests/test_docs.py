@@ -184,3 +184,18 @@ def test_the_beyond_supervised_guide_runs_as_written(capsys):
         exec(compile(block, "beyond_supervised.md", "exec"), {"__name__": "guide"})
     printed = capsys.readouterr().out
     assert "['discriminator', 'generator']" in printed
+
+
+def test_every_readme_python_block_is_valid_python():
+    import ast
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 7
+    for block in blocks:
+        tree = ast.parse(block)  # a SyntaxError names the block's line
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        # a module a block calls into is imported in that block
+        for module in ("os", "PartitionSpec", "functools"):
+            if module in used:
+                assert re.search(rf"^(from \S+ )?import .*\b{module}\b", block, re.M), block
