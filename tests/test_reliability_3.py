@@ -1,6 +1,7 @@
 """What an attacker found in 0.2.0's new surfaces (Orbax, locks, prefetch, the
 CLI, writers, profiling), each scenario reduced and held (reliability, round 3)."""
 
+import contextlib
 import io
 import os
 import signal
@@ -194,7 +195,7 @@ def test_no_wait_for_a_read_in_progress_the_loop_will_not_use(how):
             assert checkpoint.data_state == {"reads": 11}
         else:
             steps = []
-            with pytest.raises(RuntimeError) if how == "raise" else _no_error():
+            with pytest.raises(RuntimeError) if how == "raise" else contextlib.nullcontext():
                 for checkpoint in loop:
                     steps.append(checkpoint.step)
                     _wait_for_the_blocking_read(stream)
@@ -210,14 +211,6 @@ def test_no_wait_for_a_read_in_progress_the_loop_will_not_use(how):
     # The read given up on is kept, not lost: training goes on from it.
     checkpoint = loop.next_checkpoint()
     assert checkpoint.step == 20 and checkpoint.data_state == {"reads": 20}
-
-
-class _no_error:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- 4. only regular files are read; anything else is reported and skipped -----

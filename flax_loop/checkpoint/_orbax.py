@@ -15,16 +15,12 @@ state). Needs `pip install flax_loop[orbax]`.
 [3, 4]
 """
 
-import contextlib
-import gc
-import logging
 import math
 import operator
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +38,11 @@ from flax_loop.checkpoint._orbax_store import (
     check_compatible,
     decode_meta,
     encode_meta,
+    first_line,
     open_manager,
+    orbax_call,
     orbax_module,
+    quiet_async_failures,
     read_orbax_step,
     reading,
     restore_tree,
@@ -144,7 +143,7 @@ class OrbaxCheckpointWriter:
                 lock.acquire()  # before Orbax touches the directory
                 self._lock = lock
             try:
-                self._manager = _orbax_call(
+                self._manager = orbax_call(
                     "open", self.output_dir, open_manager, self.output_dir, self.keep, False
                 )
             except BaseException:
@@ -181,7 +180,7 @@ class OrbaxCheckpointWriter:
             CheckpointError: if it failed (a full disk, say).
         """
         if self._manager is not None:
-            _orbax_call("finish a write to", self.output_dir, self._manager.wait_until_finished)
+            orbax_call("finish a write to", self.output_dir, self._manager.wait_until_finished)
 
     def close(self) -> None:
         r"""Finishes pending writes and releases the directory.
@@ -196,11 +195,11 @@ class OrbaxCheckpointWriter:
         try:
             if manager is not None:
                 try:
-                    _orbax_call("finish a write to", self.output_dir, manager.wait_until_finished)
+                    orbax_call("finish a write to", self.output_dir, manager.wait_until_finished)
                 except CheckpointError as error:
                     failure = error
                 try:
-                    _orbax_call("close", self.output_dir, manager.close)
+                    orbax_call("close", self.output_dir, manager.close)
                 except CheckpointError as error:
                     failure = failure or error  # the first failure says what went wrong
         finally:
@@ -216,45 +215,6 @@ class OrbaxCheckpointWriter:
 
     def __hash__(self) -> int:
         return id(self)
-
-
-@contextlib.contextmanager
-def _quiet_async_failures() -> Iterator[None]:
-    r"""While a damaged step is read, Orbax leaves the failures of its other
-    reads in asyncio futures and coroutines nobody retrieves, which Python
-    prints with their tracebacks when they are collected: the reader
-    reports the step once, so those are dropped (collected here, while
-    quiet)."""
-    logger = logging.getLogger("asyncio")
-    level, hook = logger.level, sys.unraisablehook
-    logger.setLevel(logging.CRITICAL)
-    sys.unraisablehook = lambda unraisable: None  # "Exception ignored in: <coroutine ...>"
-    try:
-        yield
-    finally:
-        gc.collect()
-        logger.setLevel(level)
-        sys.unraisablehook = hook
-
-
-def _first_line(error: BaseException) -> str:
-    r"""An error's first line, at most 300 characters (Orbax's hold whole
-    TensorStore specs)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _orbax_call(doing: str, directory: str, function: Any, *args: Any) -> Any:
-    r"""`function(*args)`, with Orbax's own failures as a `CheckpointError`."""
-    try:
-        return function(*args)
-    except (CheckpointError, ConfigError):
-        raise
-    except Exception as error:
-        raise CheckpointError(
-            f"Orbax failed to {doing} {directory!r}: {type(error).__name__}: {error}. "
-            "The steps already finished there are intact."
-        ) from error
 
 
 _exit_hook_registered = False
@@ -363,12 +323,12 @@ class OrbaxCheckpointReader:
             for step in sorted(manager.all_steps(), reverse=True):
                 where = os.path.join(self.dir, str(step))
                 try:
-                    with _quiet_async_failures():
+                    with quiet_async_failures():
                         return self._restore_step(manager, step, template, where)
                 except CheckpointMismatchError:
                     raise
                 except Exception as error:
-                    why = _first_line(error)
+                    why = first_line(error)
                     problems.append(f"{where}: {why}")
                     log(
                         f"{where}: {why}",

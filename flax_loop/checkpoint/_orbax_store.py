@@ -2,13 +2,16 @@ r"""The Orbax directory as flax_loop writes it: one folder a step holding the
 arrays (`state`, Orbax's `StandardCheckpointHandler`) and flax_loop's
 metadata (`meta`: step, metrics, run key, data state, msgpack in JSON);
 reading a step's metadata and index, and checking them against the loop's
-state. The writers and the reader (`_orbax`) build on it.
+state; calling Orbax with its failures as `CheckpointError`s and its stray
+asyncio tracebacks silenced. The writers and the reader (`_orbax`) build on it.
 """
 
 import base64
 import contextlib
+import gc
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +23,7 @@ from flax_loop.checkpoint._file import CheckpointFile
 from flax_loop.checkpoint._saved import REQUIRED_ARRAYS
 from flax_loop.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     ConfigError,
 )
@@ -215,3 +219,42 @@ def restore_tree(restore: Any, where: str, abstract: Any, *args: Any, **kwargs: 
                 "directory."
             ) from error
         raise
+
+
+@contextlib.contextmanager
+def quiet_async_failures() -> Iterator[None]:
+    r"""While a damaged step is read, Orbax leaves the failures of its other
+    reads in asyncio futures and coroutines nobody retrieves, which Python
+    prints with their tracebacks when they are collected: the reader
+    reports the step once, so those are dropped (collected here, while
+    quiet)."""
+    logger = logging.getLogger("asyncio")
+    level, hook = logger.level, sys.unraisablehook
+    logger.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None  # "Exception ignored in: <coroutine ...>"
+    try:
+        yield
+    finally:
+        gc.collect()
+        logger.setLevel(level)
+        sys.unraisablehook = hook
+
+
+def first_line(error: BaseException) -> str:
+    r"""An error's first line, at most 300 characters (Orbax's hold whole
+    TensorStore specs)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def orbax_call(doing: str, directory: str, function: Any, *args: Any) -> Any:
+    r"""`function(*args)`, with Orbax's own failures as a `CheckpointError`."""
+    try:
+        return function(*args)
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as error:
+        raise CheckpointError(
+            f"Orbax failed to {doing} {directory!r}: {type(error).__name__}: {error}. "
+            "The steps already finished there are intact."
+        ) from error
