@@ -20,7 +20,7 @@ import numpy as np
 from flax_loop.batch import Batch
 from flax_loop.initial import run_once, run_once_options
 from flax_loop.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
-from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.parallel import Placement
 from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.state import TrainState, close_interval
 from flax_loop.step import Update, lower_update
@@ -170,9 +170,10 @@ class CompiledSteps:
             try:
                 packed, program = lower_first()
             except NameError as error:
-                # A model that names the data axis (BatchNorm(axis_name=DATA_AXIS)) on
+                # A model that names the batch axis (BatchNorm(axis_name="data")) on
                 # one device: bind the axis with a one-device mesh.
-                if mode != "jit" or f"unbound axis name: {DATA_AXIS}" not in str(error):
+                unbound = f"unbound axis name: {placement.batch_axis}"
+                if mode != "jit" or unbound not in str(error):
                     raise
                 mode = "shard_map"
                 packed, program = lower_first()

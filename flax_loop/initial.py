@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from flax.core import unfreeze
+from flax.core import meta, unfreeze
 from flax.core.scope import CollectionFilter, DenyList
 
 from flax_loop.checkpoint import (
@@ -26,9 +26,11 @@ from flax_loop.checkpoint import (
 )
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
+from flax_loop.modules import NNXModel
 from flax_loop.objective import SOWN, Objective
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
+from flax_loop.sharding import linen_annotations
 from flax_loop.state import TrainState
 
 InitFn = Callable[..., Any]
@@ -201,14 +203,42 @@ def _guarded(
         ) from error
 
 
-def _initialize(
+def parameter_annotations(
+    init: InitFn,
+    rnkey: jax.Array,
+    inputs: tuple[Any, ...],
+    labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+) -> Any:
+    r"""The `PartitionSpec` each parameter's annotation asks for (a tree of
+    the parameters' structure), or `None` if the model annotates none.
+
+    An NNX module's are read from its variables; a linen `init` is traced
+    (`jax.eval_shape`, nothing computed) for its `nn.Partitioned` boxes.
+
+    Raises:
+        InitError: if `init` fails.
+    """
+    module = getattr(init, "__self__", None)
+    if isinstance(module, NNXModel):
+        return module.annotations()
+
+    def boxed(rnkey: jax.Array, *inputs: Any) -> Any:
+        return _variables(init, init_key(rnkey), inputs, labels, mutable_collections)["params"]
+
+    params = _guarded(lambda: jax.eval_shape(boxed, rnkey, *inputs), init, inputs, labels)
+    return linen_annotations(params)
+
+
+def _variables(
     init: InitFn,
     key: jax.Array,
     inputs: tuple[Any, ...],
     labels: Sequence[str],
     mutable_collections: CollectionFilter,
-) -> tuple[Any, Any]:
-    r"""Runs the model's init and splits params from the other collections.
+) -> dict[str, Any]:
+    r"""The model's variables as its `init` returns them (annotated
+    parameters in their boxes).
 
     `init` creates every collection the model makes: those training may
     change (`mutable_collections`) and those it only reads (a BatchNorm's
@@ -225,7 +255,19 @@ def _initialize(
             f"Module's init does); got {type(variables).__name__} "
             f"{list(variables) if isinstance(variables, Mapping) else ''}."
         )
-    variables = unfreeze(variables)  # type: ignore[arg-type]
+    return unfreeze(variables)  # type: ignore[arg-type]
+
+
+def _initialize(
+    init: InitFn,
+    key: jax.Array,
+    inputs: tuple[Any, ...],
+    labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+) -> tuple[Any, Any]:
+    r"""Runs the model's init and splits params from the other collections,
+    without the annotations' boxes (`parameter_annotations` reads those)."""
+    variables = meta.unbox(_variables(init, key, inputs, labels, mutable_collections))
     variables.pop(SOWN, None)  # sown values are outputs, never state
     params = variables.pop("params")
     return params, variables

@@ -43,7 +43,15 @@ from flax_loop.errors import (
     check_count,
 )
 from flax_loop.feed import BatchFeed
-from flax_loop.initial import InitFn, Reader, initial_state, placed, run_key, run_once
+from flax_loop.initial import (
+    InitFn,
+    Reader,
+    initial_state,
+    parameter_annotations,
+    placed,
+    run_key,
+    run_once,
+)
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
 from flax_loop.modules import DEFAULT_STREAM, as_init, is_nnx
@@ -58,6 +66,7 @@ from flax_loop.sharding import (
     DEFAULT_FSDP_MIN_BYTES,
     Sharding,
     check_sharding,
+    chosen_sharding,
     is_replicated,
     state_shardings,
 )
@@ -129,12 +138,21 @@ class TrainLoop:
         sharding: where the parameters and optimizer state live:
             "replicated" (every device holds them), "fsdp" (leaves of at
             least `fsdp_min_bytes` split along their largest dimension the
-            device count divides), or `rule(path, leaf) -> PartitionSpec` over
-            the parameters (the optimizer state follows). Checkpoints keep
-            the layout.
-        mesh: a `jax.sharding.Mesh` with a "data" axis to train on instead of
-            `devices` (the batch is split along "data"; a rule may use the
-            other axes, e.g. "model" for tensor parallelism).
+            device count divides), "model" (as the model annotates them:
+            `nnx.with_partitioning`, linen's `nn.with_partitioning` or
+            `nn.with_logical_partitioning`, logical names translated by the
+            `nn.logical_axis_rules` in force around this call), or
+            `rule(path, leaf) -> PartitionSpec` over the parameters (the
+            optimizer state follows). The default, None, is "model" when a
+            `mesh` is given and the model is annotated, else "replicated".
+            Checkpoints keep the layout.
+        mesh: a `jax.sharding.Mesh` to train on instead of `devices`: the
+            batch is split along its `batch_axis`; annotations and rules may
+            use the other axes, e.g. "model" for tensor parallelism.
+        batch_axis: the mesh axis the batch is split along (and gradients
+            averaged over): "data" by default, e.g. "batch" for a
+            `("batch", "model")` mesh. A model's own collectives name it
+            (`nn.BatchNorm(axis_name=...)`).
         fsdp_min_bytes: with "fsdp", leaves smaller than this stay replicated.
         ema_decay: keep an exponential moving average of the parameters,
             updated in the compiled step (`ema = ema_decay * ema + (1 -
@@ -174,8 +192,9 @@ class TrainLoop:
         progress: bool = False,
         preemption_signals: Sequence[int] | None = None,
         steps_per_dispatch: int = 1,
-        sharding: Sharding = "replicated",
+        sharding: Sharding | None = None,
         mesh: Mesh | None = None,
+        batch_axis: str = DATA_AXIS,
         fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
         ema_decay: float | None = None,
         profile: ProfileSteps | None = None,
@@ -222,7 +241,7 @@ class TrainLoop:
                 )
             if prefetch is not None:
                 prefetch = check_count("prefetch", prefetch, 0)
-            self._placement = placement = Placement(devices, mesh)
+            self._placement = placement = Placement(devices, mesh, batch_axis)
             self._steps_per_dispatch = steps_per_dispatch
             self._plan = DispatchPlan(self._n_steps_per_checkpoint, steps_per_dispatch)
             apply_labels = labels_of(collections, "apply")
@@ -243,9 +262,17 @@ class TrainLoop:
                 self._feed.give_up = lambda: guard.requested  # no wait for an unused read
             inputs = _init_inputs(input_sample, self._feed.sample, tree, is_nnx(task.apply))
             key = as_typed_key(rnkey)
+            annotations = None
+            if sharding == "model" or (sharding is None and mesh is not None):
+                annotations = parameter_annotations(
+                    init_fn, key, inputs, labels_of(collections, "init"), mutable_collections
+                )
+            sharding = chosen_sharding(sharding, annotations)
 
             def shardings_of(state: TrainState) -> TrainState:
-                return state_shardings(sharding, placement, state, objective, fsdp_min_bytes)
+                return state_shardings(
+                    sharding, placement, state, objective, fsdp_min_bytes, annotations
+                )
 
             def layout(params: Any, model_state: Any, optimizer_state: Any) -> Any:
                 laid = shardings_of(TrainState.create(params, model_state, optimizer_state, 0))
@@ -280,7 +307,7 @@ class TrainLoop:
             )
             update = build_step(
                 objective,
-                DATA_AXIS if placement.n_devices > 1 or shardings is not None else None,
+                batch_axis if placement.n_devices > 1 or shardings is not None else None,
                 skip_nonfinite=nonfinite == "skip",
                 shards=None if shardings is None else placement.batch_sharding,
                 ema_decay=ema_decay,

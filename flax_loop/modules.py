@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 from flax.core.scope import CollectionFilter
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from flax_loop.errors import ConfigError
 
@@ -86,7 +87,7 @@ class NNXModel:
         if nnx.state(module, nnx.Intermediate):  # values sown before: not state
             module = nnx.clone(module)
             nnx.pop(module, nnx.Intermediate)
-        self.graphdef, params, self._rng_state, rest = _split(module)
+        self.graphdef, params, self._rng_state, rest = _auto_typed(_split(module))
         self._params = nnx.to_pure_dict(params)
         self._rest = nnx.to_pure_dict(rest)
         self._templates = (params, rest)
@@ -126,6 +127,20 @@ class NNXModel:
         bound = self.bind(variables, rngs or {})
         outputs = bound.outputs(*inputs)
         return outputs if mutable in (False, None) else (outputs, bound.state())
+
+    def annotations(self) -> Any:
+        r"""The `PartitionSpec` each parameter's annotation asks for
+        (`nnx.with_partitioning`; logical names translated by flax's logical
+        axis rules in force), as a pure dict of the parameters' structure, or
+        `None` if no parameter is annotated."""
+        from flax import nnx
+
+        variables = jax.tree.leaves(
+            self._templates[0], is_leaf=lambda leaf: isinstance(leaf, nnx.Variable)
+        )
+        if not any(variable.get_metadata().get("out_sharding") for variable in variables):
+            return None
+        return nnx.to_pure_dict(nnx.get_partition_spec(self._templates[0]))
 
     @property
     def params_state(self) -> nnx.State:
@@ -186,6 +201,25 @@ def _split(module: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
         module, nnx.Param, nnx.RngState, nnx.Intermediate, ...
     )
     return graphdef, params, rng_state, rest
+
+
+def _auto_typed(tree: Any) -> Any:
+    r"""The tree with each array laid out on a mesh of `Explicit` axes (an
+    annotated module built under `jax.set_mesh`) moved to the same layout on
+    the mesh's `Auto` twin: compiled code then takes it as any array, on
+    other devices too (an `Explicit` array's type names its mesh)."""
+
+    def retype(leaf: Any) -> Any:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or (
+            AxisType.Explicit not in sharding.mesh.axis_types
+        ):
+            return leaf
+        mesh = sharding.mesh
+        auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+        return jax.device_put(leaf, NamedSharding(auto, sharding.spec))
+
+    return jax.tree.map(retype, tree)
 
 
 def _state(template: nnx.State, values: Any) -> nnx.State:

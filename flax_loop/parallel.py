@@ -2,7 +2,8 @@ r"""The device mesh: replicated state, sharded batches, one host or many.
 
 Everything the user receives is a global `jax.Array` without a device axis:
 replicated state is laid out with `PartitionSpec()`, batches are split along
-their first axis with `PartitionSpec("data")`.
+their first axis over the mesh's batch axis (`PartitionSpec("data")` by
+default).
 """
 
 from collections import deque
@@ -17,7 +18,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from flax_loop.errors import ConfigError
 
 DATA_AXIS = "data"
-r"""The name of the mesh axis the batch is split along."""
+r"""The default name of the mesh axis the batch is split along
+(`TrainLoop(batch_axis=...)` names another)."""
 
 # On the CPU backend a queue of steps that run a cross-device collective aborts
 # the process after 40 s ("Expected 4 threads to join the rendezvous"): the
@@ -30,7 +32,8 @@ DEFAULT_DISPATCH_DEPTH = 16
 
 
 class Placement:
-    r"""Where a loop's arrays live: a 1-D mesh over its devices.
+    r"""Where a loop's arrays live: a mesh over its devices (1-D by default),
+    the batch split along its `batch_axis`.
 
     >>> placement = Placement(jax.devices())
     >>> state = placement.replicate({"w": np.ones(3)})     # same value on every device
@@ -39,15 +42,29 @@ class Placement:
     True
     """
 
-    def __init__(self, devices: Sequence[Any] | None = None, mesh: Mesh | None = None) -> None:
+    def __init__(
+        self,
+        devices: Sequence[Any] | None = None,
+        mesh: Mesh | None = None,
+        batch_axis: str = DATA_AXIS,
+    ) -> None:
+        if not isinstance(batch_axis, str) or not batch_axis:
+            raise ConfigError(
+                f"batch_axis must be the name of a mesh axis, such as 'data' or 'batch'; "
+                f"got {batch_axis!r}."
+            )
+        self.batch_axis = batch_axis
+        r"""the mesh axis the batch is split along (and gradients averaged over)."""
         if mesh is not None:
             if devices is not None:
                 raise ConfigError("pass devices or mesh, not both: a mesh names its devices.")
-            if not isinstance(mesh, Mesh) or DATA_AXIS not in mesh.shape:
+            if not isinstance(mesh, Mesh) or batch_axis not in mesh.shape:
+                axes = tuple(mesh.axis_names) if isinstance(mesh, Mesh) else None
                 raise ConfigError(
-                    f"mesh must be a jax.sharding.Mesh with a {DATA_AXIS!r} axis (the batch "
-                    f"is split along it), e.g. jax.make_mesh((2, 2), ('data', 'model')); "
-                    f"got {mesh!r}."
+                    f"mesh must be a jax.sharding.Mesh with a {batch_axis!r} axis (the batch "
+                    f"is split along it; batch_axis names it), e.g. jax.make_mesh((2, 2), "
+                    f"({batch_axis!r}, 'model')); got {mesh!r}"
+                    + (f" (axes {axes}): pass batch_axis=<one of them>." if axes else ".")
                 )
             devices = list(mesh.devices.flat)
             # XLA places the collectives (GSPMD): axes of the Explicit type
@@ -73,16 +90,16 @@ class Placement:
         if len(set(devices)) != len(devices):
             raise ConfigError(f"devices lists a device twice: {devices}.")
         self.devices = devices
-        self.mesh = mesh if mesh is not None else Mesh(np.array(devices), (DATA_AXIS,))
+        self.mesh = mesh if mesh is not None else Mesh(np.array(devices), (batch_axis,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
-        self.stacked_batch_sharding = NamedSharding(self.mesh, PartitionSpec(None, DATA_AXIS))
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(batch_axis))
+        self.stacked_batch_sharding = NamedSharding(self.mesh, PartitionSpec(None, batch_axis))
         process = jax.process_index()
         self.local_devices = [d for d in devices if d.process_index == process]
         self.multiprocess = len(self.local_devices) != len(devices)
         # The batch is split into one shard per position along the data axis;
         # a process holds the shards of the positions its devices sit at.
-        positions = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(DATA_AXIS), 0)
+        positions = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(batch_axis), 0)
         self.n_shards = positions.shape[0]
         self.n_local_shards = sum(
             any(d.process_index == process for d in np.ravel(row)) for row in positions

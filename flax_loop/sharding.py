@@ -1,14 +1,23 @@
-r"""Where the training state lives: replicated, FSDP, or per-leaf specs on a mesh.
+r"""Where the training state lives: replicated, FSDP, the model's own
+annotations, or per-leaf specs on a mesh.
 
-`TrainLoop(sharding=...)` takes one of three forms:
+`TrainLoop(sharding=...)` takes one of four forms:
 
-- `"replicated"` (the default): every device holds the whole state.
+- `"replicated"`: every device holds the whole state (the default without
+  a mesh, or with a mesh and a model without annotations).
 - `"fsdp"`: every leaf of the parameters and the optimizer state of at least
   `fsdp_min_bytes` bytes is split along its largest dimension the number of
   devices divides; smaller leaves stay replicated.
+- `"model"`: each parameter as the model annotates it (`nnx.with_partitioning`,
+  linen's `nn.with_partitioning` or `nn.with_logical_partitioning`, logical
+  names translated by flax's logical axis rules); the default with a mesh
+  and an annotated model.
 - a function `sharding(path, leaf) -> PartitionSpec` over the parameters
   (`path` is a tuple of the keys leading to the leaf, such as `("Dense_0",
-  "kernel")`); each optimizer-state leaf follows the spec of its parameter.
+  "kernel")`).
+
+Except with `"fsdp"`, each optimizer-state leaf that mirrors a parameter
+follows that parameter's layout.
 
 >>> placement = Placement(jax.devices())
 >>> params = {"big": jax.ShapeDtypeStruct((1024, 512), jnp.float32),
@@ -34,23 +43,68 @@ ShardingRule = Callable[[tuple[str, ...], Any], PartitionSpec]
 r"""`rule(path, leaf) -> PartitionSpec`: the layout of one parameter."""
 
 Sharding = str | ShardingRule
-r"""`"replicated"`, `"fsdp"` or a `ShardingRule`."""
+r"""`"replicated"`, `"fsdp"`, `"model"` or a `ShardingRule`."""
 
-SHARDING_MODES = ("replicated", "fsdp")
+SHARDING_MODES = ("replicated", "fsdp", "model")
 
 DEFAULT_FSDP_MIN_BYTES = 2**20
 r"""With `"fsdp"`, leaves smaller than this (1 MiB) stay replicated: splitting
 them saves little memory and costs a collective each step."""
 
 
-def check_sharding(sharding: Any) -> Sharding:
-    r"""The sharding argument, or a `ConfigError` saying what it may be."""
-    if callable(sharding) or sharding in SHARDING_MODES:
+def check_sharding(sharding: Any) -> Sharding | None:
+    r"""The sharding argument (`None`: chosen from the mesh and the model),
+    or a `ConfigError` saying what it may be."""
+    if sharding is None or callable(sharding) or sharding in SHARDING_MODES:
         return sharding
     raise ConfigError(
-        f"sharding must be 'replicated', 'fsdp' or a function (path, leaf) -> "
+        f"sharding must be 'replicated', 'fsdp', 'model' or a function (path, leaf) -> "
         f"PartitionSpec; got {sharding!r}."
     )
+
+
+def chosen_sharding(sharding: Sharding | None, annotations: Any) -> Sharding:
+    r"""The sharding a loop runs with: the given one, else `"model"` for an
+    annotated model (`annotations` not `None`), else `"replicated"`.
+
+    Raises:
+        ConfigError: for `"model"` with a model that annotates no parameter.
+    """
+    if sharding is None:
+        return "replicated" if annotations is None else "model"
+    if sharding == "model" and annotations is None:
+        raise ConfigError(
+            "sharding='model' lays each parameter out as the model annotates it, but "
+            "this model annotates none: annotate them (nnx.with_partitioning, "
+            "nn.with_partitioning or nn.with_logical_partitioning), or pass "
+            "sharding='replicated', 'fsdp' or a function (path, leaf) -> PartitionSpec."
+        )
+    return sharding
+
+
+def linen_annotations(variables: Any) -> Any:
+    r"""The `PartitionSpec` each linen parameter's annotation asks for (a tree
+    of the unboxed parameters' structure), or `None` if none is annotated.
+
+    `nn.with_partitioning` names mesh axes; `nn.with_logical_partitioning`
+    names logical axes, translated by the rules in force (flax's
+    `nn.logical_axis_rules` context, composed with the annotation's own).
+    """
+    from flax.core import meta, spmd
+
+    def spec(leaf: Any) -> PartitionSpec:
+        if not isinstance(leaf, meta.Partitioned):
+            return PartitionSpec()
+        names = tuple(leaf.names)
+        if not hasattr(leaf, "rules"):  # nn.with_partitioning: mesh axes
+            return PartitionSpec(*names)
+        rules = spmd.composite_rules(spmd.get_logical_axis_rules(), leaf.rules or ())
+        return PartitionSpec(*spmd.from_sharding_rules(names, rules))
+
+    boxed = jax.tree.leaves(variables, is_leaf=meta.is_axis_metadata)
+    if not any(isinstance(leaf, meta.Partitioned) for leaf in boxed):
+        return None
+    return jax.tree.map(spec, variables, is_leaf=meta.is_axis_metadata)
 
 
 def is_replicated(sharding: Sharding) -> bool:
@@ -59,39 +113,64 @@ def is_replicated(sharding: Sharding) -> bool:
 
 
 def fsdp_spec(
-    shape: tuple[int, ...], itemsize: int, n_shards: int, min_bytes: int
+    shape: tuple[int, ...],
+    itemsize: int,
+    n_shards: int,
+    min_bytes: int,
+    axis_name: str = DATA_AXIS,
 ) -> PartitionSpec:
     r"""The FSDP layout of one leaf: split along its largest dimension that
-    `n_shards` divides, if it holds at least `min_bytes`; else replicated."""
+    `n_shards` divides (over the mesh axis `axis_name`), if it holds at least
+    `min_bytes`; else replicated."""
     if n_shards == 1 or int(np.prod(shape, dtype=np.int64)) * itemsize < min_bytes:
         return PartitionSpec()
     candidates = [axis for axis, size in enumerate(shape) if size % n_shards == 0]
     if not candidates:
         return PartitionSpec()
     axis = max(candidates, key=lambda axis: (shape[axis], -axis))
-    return PartitionSpec(*([None] * axis), DATA_AXIS)
+    return PartitionSpec(*([None] * axis), axis_name)
 
 
 def parameter_specs(
-    sharding: Sharding, placement: Placement, params: Any, fsdp_min_bytes: int
+    sharding: Sharding,
+    placement: Placement,
+    params: Any,
+    fsdp_min_bytes: int,
+    annotations: Any = None,
 ) -> Any:
     r"""A `PartitionSpec` per parameter leaf (a tree of the parameters' structure).
 
+    `annotations` are the model's own specs (`"model"`), a tree of the
+    parameters' structure.
+
     Raises:
         ConfigError: if a rule fails, returns something other than a
-            `PartitionSpec`, names an axis the mesh lacks, or splits a
-            dimension the axis size does not divide.
+            `PartitionSpec`, or a rule or an annotation names an axis the
+            mesh lacks or splits a dimension the axis size does not divide.
     """
     if is_replicated(sharding):
         return jax.tree.map(lambda _: PartitionSpec(), params)
-    n_shards = placement.mesh.shape[DATA_AXIS]
+    axis_name = placement.batch_axis
+    n_shards = placement.mesh.shape[axis_name]
     if sharding == "fsdp":
         return jax.tree.map(
             lambda leaf: fsdp_spec(
-                tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, n_shards, fsdp_min_bytes
+                tuple(leaf.shape),
+                np.dtype(leaf.dtype).itemsize,
+                n_shards,
+                fsdp_min_bytes,
+                axis_name,
             ),
             params,
         )
+    if sharding == "model":
+
+        def annotated(path: tuple[Any, ...], leaf: Any, spec: PartitionSpec) -> PartitionSpec:
+            names = key_names(path)
+            _check_spec(spec, names, tuple(leaf.shape), placement.mesh, ANNOTATION)
+            return spec
+
+        return jax.tree_util.tree_map_with_path(annotated, params, annotations)
 
     def spec_of(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
         names = key_names(path)
@@ -104,24 +183,28 @@ def parameter_specs(
             ) from error
         if spec is None:
             spec = PartitionSpec()
-        _check_spec(spec, names, tuple(leaf.shape), placement.mesh)
+        _check_spec(spec, names, tuple(leaf.shape), placement.mesh, RULE)
         return spec
 
     return jax.tree_util.tree_map_with_path(spec_of, params)
 
 
+RULE = "the sharding function returned"
+ANNOTATION = "the model's annotation asks for"
+
+
 def _check_spec(
-    spec: Any, names: tuple[str, ...], shape: tuple[int, ...], mesh: jax.sharding.Mesh
+    spec: Any, names: tuple[str, ...], shape: tuple[int, ...], mesh: jax.sharding.Mesh, said: str
 ) -> None:
     where = "/".join(names)
     if not isinstance(spec, PartitionSpec):
         raise ConfigError(
-            f"the sharding function returned {spec!r} for {where}; return a "
+            f"{said} {spec!r} for {where}; return a "
             "jax.sharding.PartitionSpec (PartitionSpec() to replicate)."
         )
     if len(spec) > len(shape):
         raise ConfigError(
-            f"the sharding function returned {spec} for {where} of shape {shape}: "
+            f"{said} {spec} for {where} of shape {shape}: "
             "more entries than the leaf has dimensions."
         )
     for dimension, axes in enumerate(spec):
@@ -129,14 +212,21 @@ def _check_spec(
         size = 1
         for axis in names_here:
             if axis not in mesh.shape:
+                remedy = (
+                    " Pass TrainLoop a mesh with that axis (mesh=jax.make_mesh(...)), or "
+                    "map a logical name onto the mesh's axes with flax's "
+                    "nn.logical_axis_rules around the TrainLoop(...) call."
+                    if said == ANNOTATION
+                    else ""
+                )
                 raise ConfigError(
-                    f"the sharding function returned {spec} for {where}, but the mesh "
-                    f"has no axis {axis!r} (its axes: {tuple(mesh.axis_names)})."
+                    f"{said} {spec} for {where}, but the mesh "
+                    f"has no axis {axis!r} (its axes: {tuple(mesh.axis_names)}).{remedy}"
                 )
             size *= mesh.shape[axis]
         if shape[dimension] % size:
             raise ConfigError(
-                f"the sharding function returned {spec} for {where} of shape {shape}: "
+                f"{said} {spec} for {where} of shape {shape}: "
                 f"dimension {dimension} ({shape[dimension]}) is not divisible by the "
                 f"{size} devices of {names_here}."
             )
@@ -148,13 +238,15 @@ def state_shardings(
     state: TrainState,
     optimizer: Any,
     fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
+    annotations: Any = None,
 ) -> TrainState:
     r"""A `NamedSharding` for every leaf of the state (a `TrainState` of them).
 
     The parameters get their specs. With `"fsdp"` every optimizer-state leaf
     gets the FSDP layout of its own shape (a moment is laid out as its
-    parameter); with a rule, each optimizer-state leaf that mirrors a
-    parameter (Adam's moments, say) gets that parameter's. `optimizer` is
+    parameter); with a rule or the model's `annotations`, each
+    optimizer-state leaf that mirrors a parameter (Adam's moments, say) gets
+    that parameter's. `optimizer` is
     an optax optimizer or an `Objective` (several optimizers, trainable parts). Everything else
     (the model's other collections, counters, step counts) is replicated.
     """
@@ -167,7 +259,9 @@ def state_shardings(
             is_leaf=lambda node: isinstance(node, PartitionSpec),
         )
 
-    params = named(parameter_specs(sharding, placement, state.model_params, fsdp_min_bytes))
+    params = named(
+        parameter_specs(sharding, placement, state.model_params, fsdp_min_bytes, annotations)
+    )
     if is_replicated(sharding):
         optimizer_state: Any = jax.tree.map(lambda _: replicated, state.optimizer_state)
     elif sharding == "fsdp":

@@ -28,7 +28,7 @@ from flax_loop.errors import ApplyError
 from flax_loop.model import split_loss
 from flax_loop.objective import Objective, Part, StepInputs, supervised_loss
 from flax_loop.packing import LayoutChanged, Packing, on_packed
-from flax_loop.parallel import DATA_AXIS, Placement, key_names
+from flax_loop.parallel import Placement, key_names
 from flax_loop.random import loss_key, step_keys
 from flax_loop.state import (
     TrainState,
@@ -341,7 +341,7 @@ def lower_update(
         mode: how the update runs over the devices: `"jit"` (one device, no
             collectives; `shard_map` costs ~11% there), `"shard_map"` (a
             replicated state: the per-device update runs on every device,
-            binding `DATA_AXIS`), or `"gspmd"` (a sharded state: an update
+            binding the placement's batch axis), or `"gspmd"` (a sharded state: an update
             built with `shards` runs as one program over the whole batch,
             XLA placing the collectives the state's shardings need).
         shardings: the state's `NamedSharding` objects (`"gspmd"`; replicated otherwise).
@@ -419,7 +419,8 @@ def lower_update(
         # explicit pmean. With the default, differentiating w.r.t. replicated
         # parameters already sums over the axis and the update is N times too
         # large (tests/test_loop.py compares 4 devices with 1 under plain SGD).
-        batch_spec = PartitionSpec(None, DATA_AXIS) if stacked else PartitionSpec(DATA_AXIS)
+        axis = placement.batch_axis
+        batch_spec = PartitionSpec(None, axis) if stacked else PartitionSpec(axis)
         steps = jax.shard_map(
             steps,
             mesh=placement.mesh,
