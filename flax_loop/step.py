@@ -73,6 +73,23 @@ def _check_kept(what: str, new: Any, old: Any) -> None:
         )
 
 
+def _returned(gradient: jax.Array) -> jax.Array:
+    r"""The gradient as the closing step returns it: the same bits, computed
+    by an elementwise op of its own.
+
+    A gradient the program returns as it is must be written out whole where
+    it is computed, and XLA then fuses its producers otherwise than in a
+    step that only applies it: with a gradient summed over several paths (a
+    loss calling the model twice, tied weights) the updates differed in the
+    last bits (tests/test_cadence.py, "general"). Read by a fusion of its
+    own, the gradient's producers stay as every other step has them.
+    `copysign(abs(g), g)` is `g` for every value, infinities and NaNs too.
+    """
+    if not jnp.issubdtype(gradient.dtype, jnp.inexact):
+        return gradient
+    return jnp.copysign(jnp.abs(gradient), gradient)
+
+
 def _keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
@@ -390,6 +407,8 @@ def lower_update(
 
     def single_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
         state, (loss, grads) = one_step(state, batch, key)
+        if with_grads:
+            grads = jax.tree.map(_returned, grads)
         if closing:
             state, statistics = close_interval(state, grads)
             return state, loss, grads, statistics
