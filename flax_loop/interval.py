@@ -6,6 +6,7 @@ devices (one host transfer of its statistics), raises for non-finite values
 and assembles the `Checkpoint` with the data state of that moment.
 """
 
+import time
 from typing import Any
 
 import jax
@@ -130,10 +131,15 @@ class Intervals:
         step: int,
         loss: Any,
         ending: tuple[Any, ...] | None,
-        elapsed: float,
+        started: float,
         preempted: bool,
     ) -> tuple[TrainState, Checkpoint]:
         r"""The interval's checkpoint at `step`, and the state to go on with.
+
+        `started` is the `time.perf_counter()` at which the interval's first
+        dispatch began: its `elapsed_time` runs from there to the moment its
+        statistics arrive, so it counts the devices' work on the interval's
+        last steps too (dispatch runs ahead of them).
 
         `ending` is what the step that ended the interval returned, `(state,
         loss, grads, statistics)` (`statistics` `None` when it did not close
@@ -182,6 +188,7 @@ class Intervals:
                 else jax.tree.map(jnp.zeros_like, self._steps.grads_like(params))
             )
             loss_value = previous.loss if previous else float("nan")
+        elapsed = time.perf_counter() - started  # after _finish's wait for the devices
         self.start = step
         saved = SavedState(
             **arrays, step=step, rnkey=self._rnkey, data_state=self._feed.state(step)

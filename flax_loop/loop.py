@@ -73,6 +73,7 @@ from flax_loop.sharding import (
 from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, build_step
 from flax_loop.task import TrainTask, check_train_task
+from flax_loop.throughput import Throughput, TokenCount, device_peak, tokens_per_batch
 
 MAX_STEPS = 2**31 - 1
 r"""The largest step number: the step counter on the devices is an int32."""
@@ -162,6 +163,13 @@ class TrainLoop:
             float32 parameters with a decay near 1 (in bfloat16 the small
             updates are partly rounded away).
         profile: a `ProfileSteps` window of steps to trace with `jax.profiler`.
+        tokens: `tokens(batch) -> int`, the tokens of a batch (called once,
+            on the first batch as the stream gave it), for
+            `Checkpoint.throughput`'s `tokens_per_second`; by default an
+            integer input of shape (batch, length) counts as token ids.
+        peak_flops: one device's peak FLOP/s, for `Checkpoint.throughput`'s
+            `mfu`; by default looked up by the device's kind (recent GPUs
+            and TPUs, `flax_loop.throughput.PEAK_FLOPS`).
         prefetch: batches a background thread reads ahead of the devices
             (a slow source then reads while they compute; each checkpoint
             still saves the data state after its last trained batch): `0`
@@ -199,6 +207,8 @@ class TrainLoop:
         ema_decay: float | None = None,
         profile: ProfileSteps | None = None,
         prefetch: int | None = None,
+        tokens: TokenCount | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         with distributed.failing_together():
             started = time.perf_counter()
@@ -261,6 +271,7 @@ class TrainLoop:
                 guard = self._guard
                 self._feed.give_up = lambda: guard.requested  # no wait for an unused read
             inputs = _init_inputs(input_sample, self._feed.sample, tree, is_nnx(task.apply))
+            self._throughput = _throughput(self._feed, tree, placement, tokens, peak_flops)
             key = as_typed_key(rnkey)
             annotations = None
             if sharding == "model" or (sharding is None and mesh is not None):
@@ -573,13 +584,56 @@ class TrainLoop:
         if self._step == self._intervals.start and not preempted:
             return None
         self._state, checkpoint = self._intervals.close(
-            self._state, self._step, loss, ending, time.perf_counter() - started, preempted
+            self._state, self._step, loss, ending, started, preempted
+        )
+        self._throughput.read_flops(self._steps.programs)
+        checkpoint.throughput = self._throughput.measure(
+            checkpoint.n_completed_steps, checkpoint.elapsed_time
         )
         if preempted:
             self._guard.clear()
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
+
+
+def _throughput(
+    feed: BatchFeed,
+    tree: BatchTree | None,
+    placement: Placement,
+    tokens: TokenCount | None,
+    peak_flops: float | None,
+) -> Throughput:
+    r"""The run's throughput meter, from the first batch's shapes.
+
+    Raises:
+        ConfigError: for a `peak_flops` that is not a positive number, or a
+            `tokens` that fails.
+    """
+    if peak_flops is not None and (
+        isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or peak_flops <= 0
+    ):
+        raise ConfigError(
+            f"peak_flops must be one device's peak FLOP/s, a positive number such as "
+            f"989e12; got {peak_flops!r}."
+        )
+    sample = feed.sample
+    if tree is None:
+        inputs, targets = sample
+        one_each = len(inputs) == len(targets) == 1
+        given = (inputs[0], targets[0]) if one_each else (inputs, targets)
+        first_input = inputs[0] if inputs else None
+    else:
+        given = tree.unflatten(sample)
+        first_input = jax.tree.leaves(sample)[0]
+    processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
+    counted = tokens_per_batch(tokens, given, first_input)
+    return Throughput(
+        examples_per_step=feed.spec.batch_size * processes,
+        tokens_per_step=None if counted is None else counted * processes,
+        n_devices=placement.n_devices,
+        peak_flops=peak_flops or device_peak(placement.devices[0]),
+    )
 
 
 def _init_inputs(

@@ -14,10 +14,12 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
     r"""Training statistics of a checkpoint's interval, as plain floats.
 
     `loss` is the mean over the interval, `last_loss` the last step's; the
-    L2 norms are global norms over every leaf.
+    L2 norms are global norms over every leaf; the checkpoint's `throughput`
+    follows (examples, tokens and FLOPs a second, MFU).
 
     >>> sorted(train_statistics(checkpoint))  # doctest: +NORMALIZE_WHITESPACE
-    ['gradients_l2norm', 'last_loss', 'loss', 'seconds_per_step',
+    ['examples_per_second', 'flops_per_second_per_device', 'flops_per_step',
+     'gradients_l2norm', 'last_loss', 'loss', 'seconds_per_step',
      'steps_per_second', 'weights_l2norm']
     """
     n_steps = max(int(checkpoint.n_completed_steps), 1)
@@ -33,6 +35,7 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
         "steps_per_second": n_steps / elapsed if elapsed > 0 else float("inf"),
         "gradients_l2norm": float(grads_norm),
         "weights_l2norm": float(weights_norm),
+        **{name: float(value) for name, value in getattr(checkpoint, "throughput", {}).items()},
     }
 
 

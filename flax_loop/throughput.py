@@ -1,0 +1,148 @@
+r"""Throughput: examples, tokens and FLOPs a second, and the fraction of the
+devices' peak (MFU) a run reaches.
+
+The step's FLOPs are XLA's count for the compiled step (its cost analysis,
+read once); examples and tokens are counted on the host from the first
+batch's shapes. Nothing here waits for the devices.
+
+>>> meter = Throughput(examples_per_step=32, tokens_per_step=None, n_devices=2,
+...                    peak_flops=1e9)
+>>> meter.flops_per_step = 4e8
+>>> rates = meter.measure(n_steps=10, seconds=2.0)
+>>> rates["examples_per_second"], rates["flops_per_second_per_device"], rates["mfu"]
+(160.0, 1000000000.0, 1.0)
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from flax_loop.errors import ConfigError
+
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12),
+    ("TPU v6e", 918e12),
+)
+r"""Dense bfloat16 peak FLOP/s of one device, by a part of its
+`device_kind` (the first that matches): the vendors' published figures.
+Pass `TrainLoop(peak_flops=...)` for a device not listed."""
+
+TokenCount = Callable[[Any], int]
+r"""`tokens(batch) -> int`: the tokens of one batch, from its shapes."""
+
+
+def device_peak(device: Any) -> float | None:
+    r"""The listed peak FLOP/s of a device (`PEAK_FLOPS`), or `None`.
+
+    >>> import jax
+    >>> device_peak(jax.devices("cpu")[0]) is None
+    True
+    """
+    kind = str(getattr(device, "device_kind", ""))
+    return next((peak for name, peak in PEAK_FLOPS if name in kind), None)
+
+
+def step_flops(programs: Mapping[str, Any]) -> float | None:
+    r"""The FLOPs of one step on one device, from XLA's cost analysis of a
+    compiled single step (`one`, else `last`), or `None` while neither is
+    compiled or when the backend does not count them."""
+    for name in ("one", "last"):
+        analysis = getattr(programs.get(name), "cost_analysis", None)
+        if analysis is None:
+            continue
+        try:
+            costs = analysis()
+        except Exception:  # a backend without cost analysis
+            return None
+        if isinstance(costs, (list, tuple)):
+            costs = costs[0] if costs else None
+        flops = costs.get("flops") if isinstance(costs, Mapping) else None
+        return float(flops) if flops and flops > 0 else None
+    return None
+
+
+def tokens_per_batch(tokens: TokenCount | None, batch: Any, first_input: Any) -> int | None:
+    r"""The tokens of a batch: `tokens(batch)` when given, else the size of
+    an integer input of shape (batch, length) (token ids), else `None`.
+
+    Raises:
+        ConfigError: if `tokens` fails or returns no whole number.
+    """
+    if tokens is None:
+        is_ids = np.ndim(first_input) == 2 and np.issubdtype(
+            np.dtype(first_input.dtype), np.integer
+        )
+        return int(np.size(first_input)) if is_ids else None
+    try:
+        count = tokens(batch)
+    except Exception as error:
+        raise ConfigError(
+            f"tokens(batch) raised {type(error).__name__}: {error}. It gets the first "
+            "batch as the stream gave it and returns the tokens in it, e.g. "
+            "tokens=lambda batch: batch[0].size."
+        ) from error
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ConfigError(f"tokens(batch) must return a whole number of tokens; got {count!r}.")
+    return int(count)
+
+
+class Throughput:
+    r"""A run's rates, from each interval's steps and seconds.
+
+    Args:
+        examples_per_step: the examples of one step over every process.
+        tokens_per_step: its tokens, or `None` when not counted.
+        n_devices: the devices a step runs on.
+        peak_flops: one device's peak FLOP/s, or `None` when unknown.
+    """
+
+    def __init__(
+        self,
+        examples_per_step: int,
+        tokens_per_step: int | None,
+        n_devices: int,
+        peak_flops: float | None,
+    ) -> None:
+        self.examples_per_step = examples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.n_devices = n_devices
+        self.peak_flops = peak_flops
+        self.flops_per_step: float | None = None
+        r"""the FLOPs of one step over every device, once read."""
+
+    def read_flops(self, programs: Mapping[str, Any]) -> None:
+        r"""Reads the step's FLOPs from the compiled programs, once."""
+        if self.flops_per_step is None:
+            per_device = step_flops(programs)
+            if per_device is not None:
+                self.flops_per_step = per_device * self.n_devices
+
+    def measure(self, n_steps: int, seconds: float) -> dict[str, float]:
+        r"""The rates of `n_steps` steps that took `seconds`: `examples_per_second`,
+        `tokens_per_second` (when counted), `flops_per_step`,
+        `flops_per_second_per_device` (when XLA counted them) and `mfu` (when
+        the peak is known too); `{}` for an empty interval."""
+        if n_steps <= 0 or seconds <= 0:
+            return {}
+        rates = {"examples_per_second": self.examples_per_step * n_steps / seconds}
+        if self.tokens_per_step is not None:
+            rates["tokens_per_second"] = self.tokens_per_step * n_steps / seconds
+        if self.flops_per_step is not None:
+            per_device = self.flops_per_step * n_steps / seconds / self.n_devices
+            rates["flops_per_step"] = self.flops_per_step
+            rates["flops_per_second_per_device"] = per_device
+            if self.peak_flops:
+                rates["mfu"] = per_device / self.peak_flops
+        return rates
