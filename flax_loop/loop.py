@@ -163,13 +163,6 @@ class TrainLoop:
             float32 parameters with a decay near 1 (in bfloat16 the small
             updates are partly rounded away).
         profile: a `ProfileSteps` window of steps to trace with `jax.profiler`.
-        tokens: `tokens(batch) -> int`, the tokens of a batch (called once,
-            on the first batch as the stream gave it), for
-            `Checkpoint.throughput`'s `tokens_per_second`; by default an
-            integer input of shape (batch, length) counts as token ids.
-        peak_flops: one device's peak FLOP/s, for `Checkpoint.throughput`'s
-            `mfu`; by default looked up by the device's kind (recent GPUs
-            and TPUs, `flax_loop.throughput.PEAK_FLOPS`).
         prefetch: batches a background thread reads ahead of the devices
             (a slow source then reads while they compute; each checkpoint
             still saves the data state after its last trained batch): `0`
@@ -207,8 +200,6 @@ class TrainLoop:
         ema_decay: float | None = None,
         profile: ProfileSteps | None = None,
         prefetch: int | None = None,
-        tokens: TokenCount | None = None,
-        peak_flops: float | None = None,
     ) -> None:
         with distributed.failing_together():
             started = time.perf_counter()
@@ -271,7 +262,7 @@ class TrainLoop:
                 guard = self._guard
                 self._feed.give_up = lambda: guard.requested  # no wait for an unused read
             inputs = _init_inputs(input_sample, self._feed.sample, tree, is_nnx(task.apply))
-            self._throughput = _throughput(self._feed, tree, placement, tokens, peak_flops)
+            self._throughput = _throughput(self._feed, tree, placement, task.tokens)
             key = as_typed_key(rnkey)
             annotations = None
             if sharding == "model" or (sharding is None and mesh is not None):
@@ -360,6 +351,25 @@ class TrainLoop:
     def step(self) -> int:
         r"""the number of completed steps."""
         return self._step
+
+    @property
+    def peak_flops(self) -> float | None:
+        r"""one device's peak FLOP/s, for `Checkpoint.throughput`'s `mfu`:
+        looked up by the device's kind (recent GPUs and TPUs,
+        `flax_loop.throughput.PEAK_FLOPS`), or set (`loop.peak_flops =
+        989e12`); `None` when unknown."""
+        return self._throughput.peak_flops
+
+    @peak_flops.setter
+    def peak_flops(self, value: float | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        ):
+            raise ConfigError(
+                f"peak_flops must be one device's peak FLOP/s, a positive number such as "
+                f"989e12, or None; got {value!r}."
+            )
+        self._throughput.peak_flops = value
 
     @property
     def n_steps(self) -> int:
@@ -602,21 +612,12 @@ def _throughput(
     tree: BatchTree | None,
     placement: Placement,
     tokens: TokenCount | None,
-    peak_flops: float | None,
 ) -> Throughput:
     r"""The run's throughput meter, from the first batch's shapes.
 
     Raises:
-        ConfigError: for a `peak_flops` that is not a positive number, or a
-            `tokens` that fails.
+        ConfigError: for a `tokens` that fails.
     """
-    if peak_flops is not None and (
-        isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or peak_flops <= 0
-    ):
-        raise ConfigError(
-            f"peak_flops must be one device's peak FLOP/s, a positive number such as "
-            f"989e12; got {peak_flops!r}."
-        )
     sample = feed.sample
     if tree is None:
         inputs, targets = sample
@@ -632,7 +633,7 @@ def _throughput(
         examples_per_step=feed.spec.batch_size * processes,
         tokens_per_step=None if counted is None else counted * processes,
         n_devices=placement.n_devices,
-        peak_flops=peak_flops or device_peak(placement.devices[0]),
+        peak_flops=device_peak(placement.devices[0]),
     )
 
 

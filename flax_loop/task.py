@@ -89,6 +89,12 @@ class TrainTask:
     keyword argument `frozen`: NNX modules in evaluation mode, anything else
     (a linen model's variables) as given."""
 
+    tokens: Any = None
+    r"""`tokens(batch) -> int`: the tokens of a batch, for
+    `Checkpoint.throughput`'s `tokens_per_second` (called once, on the first
+    batch as the stream gave it); by default an integer input of shape
+    (batch, length) counts as token ids."""
+
 
 @dataclass
 class EvalTask:

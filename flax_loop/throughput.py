@@ -37,7 +37,7 @@ PEAK_FLOPS = (
 )
 r"""Dense bfloat16 peak FLOP/s of one device, by a part of its
 `device_kind` (the first that matches): the vendors' published figures.
-Pass `TrainLoop(peak_flops=...)` for a device not listed."""
+Set `loop.peak_flops` for a device not listed."""
 
 TokenCount = Callable[[Any], int]
 r"""`tokens(batch) -> int`: the tokens of one batch, from its shapes."""

@@ -42,18 +42,19 @@ def by_hand():
     return 6 * BATCH * weights
 
 
-def run(n_devices=1, n_steps=20, every=10, data=None, **options):
+def run(n_devices=1, n_steps=20, every=10, data=None, peak_flops=None, **options):
     model = Dense3()
     loop = TrainLoop(
         model.init,
-        TrainTask(model.apply, optax.adam(1e-3), cross_entropy, data or dense_batches()),
+        TrainTask(model.apply, optax.adam(1e-3), cross_entropy, data or dense_batches(), **options),
         jax.random.key(0),
         n_steps=n_steps,
         n_steps_per_checkpoint=every,
         devices=jax.devices()[:n_devices],
         stdout=False,
-        **options,
     )
+    if peak_flops is not None:
+        loop.peak_flops = peak_flops
     return list(loop)
 
 
@@ -95,13 +96,12 @@ def test_tokens_are_counted_for_token_ids_or_as_told():
         model = Embedder()
         loop = TrainLoop(
             model.init,
-            TrainTask(model.apply, optax.sgd(0.1), loss, [(tokens, tokens)] * 10),
+            TrainTask(model.apply, optax.sgd(0.1), loss, [(tokens, tokens)] * 10, **options),
             jax.random.key(0),
             n_steps=4,
             n_steps_per_checkpoint=4,
             stdout=False,
             devices=jax.devices()[:1],
-            **options,
         )
         (checkpoint,) = list(loop)
         return checkpoint.throughput, checkpoint.elapsed_time

@@ -66,11 +66,11 @@ class Checkpoint(Saved):
 
     throughput: dict[str, float] = field(default_factory=dict, kw_only=True)
     r"""the interval's rates: `examples_per_second`; `tokens_per_second`
-    when tokens are counted (`TrainLoop(tokens=...)`, or integer inputs of
+    when tokens are counted (`TrainTask(tokens=...)`, or integer inputs of
     shape (batch, length)); `flops_per_step` (XLA's count for the compiled
     step, over every device) and `flops_per_second_per_device` where the
     backend counts FLOPs; `mfu`, their fraction of the device's peak, where
-    that is known (`TrainLoop(peak_flops=...)`). `{}` for a checkpoint not
+    that is known (`TrainLoop.peak_flops`). `{}` for a checkpoint not
     made by a loop."""
 
 
