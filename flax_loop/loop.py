@@ -73,7 +73,7 @@ from flax_loop.sharding import (
 from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, build_step
 from flax_loop.task import TrainTask, check_train_task
-from flax_loop.throughput import Throughput, TokenCount, device_peak, tokens_per_batch
+from flax_loop.throughput import Throughput
 
 MAX_STEPS = 2**31 - 1
 r"""The largest step number: the step counter on the devices is an int32."""
@@ -262,7 +262,7 @@ class TrainLoop:
                 guard = self._guard
                 self._feed.give_up = lambda: guard.requested  # no wait for an unused read
             inputs = _init_inputs(input_sample, self._feed.sample, tree, is_nnx(task.apply))
-            self._throughput = _throughput(self._feed, tree, placement, task.tokens)
+            self._throughput = Throughput.of(self._feed, tree, placement, task.tokens)
             key = as_typed_key(rnkey)
             annotations = None
             if sharding == "model" or (sharding is None and mesh is not None):
@@ -605,36 +605,6 @@ class TrainLoop:
         if report is not None:
             report.checkpoint(self._step, checkpoint.loss)
         return checkpoint
-
-
-def _throughput(
-    feed: BatchFeed,
-    tree: BatchTree | None,
-    placement: Placement,
-    tokens: TokenCount | None,
-) -> Throughput:
-    r"""The run's throughput meter, from the first batch's shapes.
-
-    Raises:
-        ConfigError: for a `tokens` that fails.
-    """
-    sample = feed.sample
-    if tree is None:
-        inputs, targets = sample
-        one_each = len(inputs) == len(targets) == 1
-        given = (inputs[0], targets[0]) if one_each else (inputs, targets)
-        first_input = inputs[0] if inputs else None
-    else:
-        given = tree.unflatten(sample)
-        first_input = jax.tree.leaves(sample)[0]
-    processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
-    counted = tokens_per_batch(tokens, given, first_input)
-    return Throughput(
-        examples_per_step=feed.spec.batch_size * processes,
-        tokens_per_step=None if counted is None else counted * processes,
-        n_devices=placement.n_devices,
-        peak_flops=device_peak(placement.devices[0]),
-    )
 
 
 def _init_inputs(

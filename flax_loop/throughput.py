@@ -16,9 +16,13 @@ batch's shapes. Nothing here waits for the devices.
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
+from flax_loop.batch import BatchTree
 from flax_loop.errors import ConfigError
+from flax_loop.feed import BatchFeed
+from flax_loop.parallel import Placement
 
 PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
@@ -46,7 +50,6 @@ r"""`tokens(batch) -> int`: the tokens of one batch, from its shapes."""
 def device_peak(device: Any) -> float | None:
     r"""The listed peak FLOP/s of a device (`PEAK_FLOPS`), or `None`.
 
-    >>> import jax
     >>> device_peak(jax.devices("cpu")[0]) is None
     True
     """
@@ -121,6 +124,38 @@ class Throughput:
         self.peak_flops = peak_flops
         self.flops_per_step: float | None = None
         r"""the FLOPs of one step over every device, once read."""
+
+    @classmethod
+    def of(
+        cls,
+        feed: BatchFeed,
+        tree: BatchTree | None,
+        placement: Placement,
+        tokens: TokenCount | None,
+    ) -> "Throughput":
+        r"""A run's meter, from its feed's first batch (`tree`: its structure,
+        for a `compute_loss` task) and its devices.
+
+        Raises:
+            ConfigError: for a `tokens` that fails.
+        """
+        sample = feed.sample
+        if tree is None:
+            inputs, targets = sample
+            one_each = len(inputs) == len(targets) == 1
+            given = (inputs[0], targets[0]) if one_each else (inputs, targets)
+            first_input = inputs[0] if inputs else None
+        else:
+            given = tree.unflatten(sample)
+            first_input = jax.tree.leaves(sample)[0]
+        processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
+        counted = tokens_per_batch(tokens, given, first_input)
+        return cls(
+            examples_per_step=feed.spec.batch_size * processes,
+            tokens_per_step=None if counted is None else counted * processes,
+            n_devices=placement.n_devices,
+            peak_flops=device_peak(placement.devices[0]),
+        )
 
     def read_flops(self, programs: Mapping[str, Any]) -> None:
         r"""Reads the step's FLOPs from the compiled programs, once."""
