@@ -309,7 +309,7 @@ class TrainLoop:
             )
             update = build_step(
                 objective,
-                batch_axis if placement.n_devices > 1 or shardings is not None else None,
+                placement.batch_axis if placement.n_devices > 1 or shardings is not None else None,
                 skip_nonfinite=nonfinite == "skip",
                 shards=None if shardings is None else placement.batch_sharding,
                 ema_decay=ema_decay,
