@@ -82,7 +82,10 @@ def _ls(directory: str, console: Console) -> int:
     if not entries:
         console.print(f"{directory}: no checkpoints.", markup=False)
         return EXIT_OK
-    table = Table(title=Text(directory), title_justify="left")
+    # The directory goes on its own line: a table's title wraps at the
+    # table's width, which would split a long path where a user copies it.
+    console.print(Text(directory), soft_wrap=True)
+    table = Table()
     for column in ("step", "kind", "file", "size", "written", "status", "resume"):
         table.add_column(
             column, justify="right" if column in ("step", "size") else "left", no_wrap=True

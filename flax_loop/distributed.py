@@ -258,13 +258,16 @@ class failing_together:
 
 
 def _stop_watching() -> None:
-    if _watcher is not None:
-        _watcher.say_done()
     if _failed:  # an uncaught error: exit as Python would, before jax.distributed aborts
         sys.stdout.flush()
         sys.stderr.flush()
+        # Said last, right before leaving: process 0 ends when it reads it,
+        # and a process that outlives the coordination service is aborted.
+        if _watcher is not None:
+            _watcher.say_done()
         os._exit(1)
     if _watcher is not None:
+        _watcher.say_done()
         _watcher.__exit__()
 
 

@@ -53,6 +53,16 @@ def files(tmp_path, checkpoints):
     return tmp_path
 
 
+def test_ls_prints_a_long_directory_whole_on_its_own_line(tmp_path, checkpoints):
+    directory = tmp_path / ("a-long-run-name-" * 8) / "seed-0"
+    with CheckpointFileWriter(output_dir=str(directory)) as writer:
+        writer(checkpoints[0])
+    output = io.StringIO()
+    status = main(["ls", str(directory)], console=Console(file=output, width=100))
+    assert status == 0 and len(str(directory)) > 100
+    assert output.getvalue().splitlines()[0] == str(directory)
+
+
 def test_ls_lists_steps_kinds_status_and_the_file_a_resume_reads(files):
     status, out = inspect("ls", files)
     assert status == 0
