@@ -138,6 +138,12 @@ def _show(path: str, console: Console) -> int:
     console.print(f"  run key stored: {'yes' if contents.has_rnkey else 'no'}")
     console.print(f"  metrics: {_plain(contents.metrics)}", markup=False)
     console.print(f"  data state: {_plain(contents.data_state)}", markup=False)
+    if contents.left_out:
+        console.print(
+            f"  frozen parameters left out (a resume takes them from its init): "
+            f"{', '.join(contents.left_out)}",
+            markup=False,
+        )
     table = Table(title=f"{len(contents.arrays)} arrays", title_justify="left")
     for column in ("path", "shape", "dtype", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")

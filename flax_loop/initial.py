@@ -24,6 +24,7 @@ from flax_loop.checkpoint import (
     OrbaxCheckpointReader,
     Saved,
 )
+from flax_loop.checkpoint._frozen import put_back
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.modules import NNXModel
@@ -142,6 +143,8 @@ def initial_state(
                 ema_params=template[0] if ema else None,
             )
         )
+        if restored is not None and restored.left_out is not None:
+            restored = _put_back_frozen(restored, lambda: run_once(start, place, rnkey, *inputs)[0])
         if restored is not None and restored.optimizer_state is None:
             log(f"Training starts from the parameters in {restored.path}.")
             params = restored.model_params
@@ -160,6 +163,18 @@ def initial_state(
         lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
+
+
+def _put_back_frozen(restored: CheckpointFile, initialize: Callable[[], Any]) -> CheckpointFile:
+    r"""A file without its frozen parameters, completed by the run's
+    initialization (checked against the file's digest of them)."""
+    assert restored.left_out is not None
+    params = initialize()
+    origin = restored.path or "The checkpoint"
+    arrays = {"model_params": put_back(restored.left_out, restored.model_params, params, origin)}
+    if restored.ema_params is not None:  # a frozen parameter's average is the parameter
+        arrays["ema_params"] = put_back(restored.left_out, restored.ema_params, params, origin)
+    return dataclasses.replace(restored, **arrays)
 
 
 _LEVEL = "xla_backend_optimization_level"

@@ -115,8 +115,10 @@ class Intervals:
         rnkey: jax.Array,
         raise_nonfinite: bool,
         step: int,
+        frozen: Any = None,
     ) -> None:
         self._steps, self._placement, self._feed = steps, placement, feed
+        self._frozen = frozen  # `Checkpoint.frozen`
         self._rnkey, self._raise_nonfinite = rnkey, raise_nonfinite
         self.start = step
         r"""the step the current interval started after."""
@@ -204,6 +206,7 @@ class Intervals:
             train_metrics=train_metrics,
             losses=history,
             preempted=preempted,
+            frozen=self._frozen,
         )
         return state, self._last
 

@@ -335,11 +335,18 @@ class TrainLoop:
             self._state = self._steps.state
             if not placement.multiprocess:
                 self._steps.interrupted = lambda: guard.interrupted
+            trained_part = objective.trained(start.model_params)
             self._intervals = Intervals(
-                self._steps, placement, self._feed, key, nonfinite == "raise", self._step
+                self._steps,
+                placement,
+                self._feed,
+                key,
+                nonfinite == "raise",
+                self._step,
+                frozen=trained_part.frozen_mask(),
             )
             setup_seconds = time.perf_counter() - started
-            trained = objective.trained(start.model_params).split(start.model_params)
+            trained = trained_part.split(start.model_params)
             log(
                 describe_model(start.model_params, placement.n_devices, setup_seconds, trained),
                 stdout,

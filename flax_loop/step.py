@@ -292,12 +292,17 @@ def build_step(
             mutated = _keep_if(finite, mutated, state.model_state)
         ema_params = state.ema_params
         if ema_decay is not None:
+            kept = objective.trained(state.model_params).frozen_mask()
             ema_params = jax.tree.map(
-                lambda average, new: (
-                    average * ema_decay + new.astype(average.dtype) * (1 - ema_decay)
+                # a frozen parameter's average is the parameter, bit for bit
+                lambda average, new, is_frozen: (
+                    new.astype(average.dtype)
+                    if is_frozen
+                    else average * ema_decay + new.astype(average.dtype) * (1 - ema_decay)
                 ),
                 state.ema_params,
                 params,
+                jax.tree.map(lambda _: False, params) if kept is None else kept,
             )
             if skip_nonfinite:
                 ema_params = _keep_if(finite, ema_params, state.ema_params)

@@ -92,6 +92,13 @@ class Partition:
         r"""whether every parameter trains."""
         return self.mask is None
 
+    def frozen_mask(self) -> Any:
+        r"""The mask's complement (`True` for a frozen parameter); `None`
+        when every parameter trains."""
+        if self.mask is None:
+            return None
+        return jax.tree.map(lambda keep: not keep, self.mask)
+
     def split(self, tree: Any) -> Any:
         r"""The trainable part of a tree shaped as the parameters (frozen leaves `None`)."""
         if self.mask is None:

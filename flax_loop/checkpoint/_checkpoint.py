@@ -64,6 +64,12 @@ class Checkpoint(Saved):
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
 
+    frozen: Any = field(default=None, kw_only=True, repr=False)
+    r"""which parameters no optimizer trains (`TrainTask(trainable=...)`): a
+    tree of booleans shaped as `model_params`, `True` for a frozen one;
+    `None` when every parameter trains. `CheckpointFileWriter(save_frozen=False)`
+    leaves those out of its files."""
+
     throughput: dict[str, float] = field(default_factory=dict, kw_only=True)
     r"""the interval's rates: `examples_per_second`; `tokens_per_second`
     when tokens are counted (`TrainTask(tokens=...)`, or integer inputs of

@@ -13,6 +13,7 @@ from flax import serialization
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._checkpoint import Metrics
+from flax_loop.checkpoint._frozen import LeftOut
 from flax_loop.checkpoint._saved import Saved
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.random import key_data, key_from_data
@@ -42,6 +43,12 @@ class CheckpointFile(Saved):
 
     path: str | None = field(default=None, compare=False)
     r"""the file it was read from (`None` for one not read from a file)."""
+
+    left_out: LeftOut | None = field(default=None, kw_only=True)
+    r"""the frozen parameters this file leaves out (`CheckpointFileWriter(
+    save_frozen=False)`): their paths and a digest of their values, which a
+    resumed run takes from its initialization and checks; `None` when the
+    file holds every parameter."""
 
 
 def quote(name: str) -> str:
@@ -107,6 +114,8 @@ def save(directory: str, prefix: str, file: CheckpointFile, fsync: bool = True) 
         "metrics": _metrics_to_file(file.metrics),
         "data_state": file.data_state,
     }
+    if file.left_out is not None:
+        meta["frozen"] = file.left_out.to_meta()
     if file.rnkey is not None:
         impl, data = key_data(file.rnkey)
         meta["rnkey"] = {"impl": impl, "data": data.tolist()}

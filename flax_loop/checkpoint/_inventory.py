@@ -19,6 +19,7 @@ import numpy as np
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import SUFFIX, TEMPORARY_PREFIX
+from flax_loop.checkpoint._frozen import LeftOut
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
 
 _STEP_NAME = re.compile(r"[0-9]+")
@@ -87,6 +88,8 @@ class CheckpointContents:
     data_state: Any
     arrays: list[tuple[str, tuple[int, ...], str, int]] = field(default_factory=list)
     r"""`(path, shape, dtype, bytes)` of every array."""
+    left_out: tuple[str, ...] = ()
+    r"""the frozen parameters the file leaves out (`save_frozen=False`)."""
 
 
 def _is_orbax(directory: str) -> bool:
@@ -270,4 +273,10 @@ def read_contents(path: str) -> CheckpointContents:
         isinstance(meta.get("rnkey"), dict),
         meta.get("data_state"),
         arrays,
+        _left_out(meta),
     )
+
+
+def _left_out(meta: dict[str, Any]) -> tuple[str, ...]:
+    left_out = LeftOut.from_meta(meta.get("frozen"))
+    return () if left_out is None else left_out.paths

@@ -14,6 +14,7 @@ from flax_loop.checkpoint._file import (
     load,
     restore_key,
 )
+from flax_loop.checkpoint._frozen import LeftOut, flatten, inserted
 from flax_loop.checkpoint._saved import REQUIRED_ARRAYS, Saved
 from flax_loop.errors import (
     CheckpointCorruptError,
@@ -99,6 +100,7 @@ class CheckpointFileReader:
                 rnkey=restore_key(meta, path),
                 data_state=meta.get("data_state"),
                 path=path,
+                left_out=LeftOut.from_meta(meta.get("frozen")),
             )
         if problems:
             raise CheckpointCorruptError(
@@ -134,25 +136,32 @@ class CheckpointFileReader:
         return None if file is None else restore_into(file, template)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    r"""`{path: leaf}` of nested dicts (as state dicts and files hold them)."""
-    if isinstance(tree, dict) and tree:
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}/{key}"))
-        return flat
-    return {prefix or "/": tree}
-
-
 def _describe(leaf: Any) -> str:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
     if leaf is _ABSENT:
         return "absent"
+    if isinstance(leaf, _LeftOutElsewhere):
+        return "a frozen parameter left out"
     return "empty" if leaf == {} else type(leaf).__name__
 
 
 _ABSENT = object()
+
+
+class _LeftOutElsewhere:
+    r"""A frozen parameter the file left out that this model does not have."""
+
+    def __repr__(self) -> str:
+        return "left out"
+
+
+def _placeholder(leaf: Any) -> Any:
+    r"""Where a file left a frozen parameter out: an array of the model's
+    shape and dtype that takes no memory (the run puts the value in)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+    return _LeftOutElsewhere()
 
 
 def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFile:
@@ -177,8 +186,20 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
         and getattr(template, name) is not None
         and getattr(file, name) is not None
     )
-    want = _flatten({part: serialization.to_state_dict(getattr(template, part)) for part in parts})
-    have = _flatten({part: getattr(file, part) for part in parts})
+    want = flatten({part: serialization.to_state_dict(getattr(template, part)) for part in parts})
+    # Frozen parameters the file left out take the template's place (their
+    # values come from the run's initialization, checked against the digest).
+    stored = {part: getattr(file, part) for part in parts}
+    if file.left_out is not None:
+        for part in ("model_params", "ema_params"):
+            if part in parts:
+                model = flatten(serialization.to_state_dict(getattr(template, part)))
+                stored[part] = inserted(
+                    stored[part] or {},
+                    {p: _placeholder(model.get(p)) for p in file.left_out.paths},
+                )
+    file = dataclasses.replace(file, **{part: stored[part] for part in parts})
+    have = flatten(stored)
     for name, leaf in have.items():
         if name in want and hasattr(want[name], "shape") and not isinstance(leaf, np.ndarray):
             raise CheckpointCorruptError(

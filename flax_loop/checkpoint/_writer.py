@@ -14,6 +14,7 @@ from typing import Any
 from flax_loop.checkpoint import _file
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._file import REGULAR_PREFIX, CheckpointFile
+from flax_loop.checkpoint._frozen import leave_out
 from flax_loop.checkpoint._lock import DirectoryLock
 from flax_loop.errors import CheckpointError, ConfigError, check_count
 from flax_loop.log import is_main_process, log
@@ -64,6 +65,13 @@ class CheckpointFileWriter:
     background: bool = field(default=False, kw_only=True)
     r"""whether to write files on a worker thread, off the training loop's path."""
 
+    save_frozen: bool = field(default=True, kw_only=True)
+    r"""whether files hold the parameters no optimizer trains
+    (`TrainTask(trainable=...)`, `Checkpoint.frozen`). `False` leaves them
+    out (a LoRA file holds its low-rank weights, not the base): a run resumed
+    from such a file takes them from its `init` and checks them against a
+    digest the file keeps, raising `CheckpointMismatchError` if they differ."""
+
     def __post_init__(self) -> None:
         self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
         self._locks: dict[str, DirectoryLock] = {}
@@ -91,21 +99,12 @@ class CheckpointFileWriter:
                 already in the directory are left intact.
         """
         expect(checkpoint, Checkpoint, type(self).__name__)
-        file = to_file(checkpoint)
+        file = to_file(checkpoint, self.save_frozen)
         # State split over several processes comes to process 0's host: every
         # process takes part in gathering it.
-        arrays = gather_split(
-            (file.model_params, file.model_state, file.optimizer_state, file.ema_params)
-        )
+        file = file.map_arrays(gather_split)
         if not is_main_process():
             return checkpoint
-        file = dataclasses.replace(
-            file,
-            model_params=arrays[0],
-            model_state=arrays[1],
-            optimizer_state=arrays[2],
-            ema_params=arrays[3],
-        )
         self.wait()  # one write at a time: never race the previous one
         prefix = prefix or self._prefix()
         self._check_later_files(prefix, int(checkpoint.step))  # before locking: a refusal
@@ -207,10 +206,19 @@ def check_writer_options(output_dir: Any, keep: Any, overwrite: Any) -> str:
     return os.fspath(output_dir)
 
 
-def to_file(checkpoint: Checkpoint) -> CheckpointFile:
-    r"""The part of a checkpoint (or summary) that goes into a file."""
+def to_file(checkpoint: Checkpoint, save_frozen: bool = True) -> CheckpointFile:
+    r"""The part of a checkpoint (or summary) that goes into a file; without
+    its frozen parameters unless `save_frozen` (a collective with several
+    processes: every process calls it)."""
     metrics: Any = checkpoint.metrics if isinstance(checkpoint, Summary) else {}
-    return CheckpointFile.from_saved(checkpoint, metrics=metrics)
+    file = CheckpointFile.from_saved(checkpoint, metrics=metrics)
+    if save_frozen or checkpoint.frozen is None:
+        return file
+    params, left_out = leave_out(file.model_params, checkpoint.frozen)
+    ema = file.ema_params
+    if ema is not None:  # a frozen parameter's average is the parameter
+        ema, _ = leave_out(ema, checkpoint.frozen)
+    return dataclasses.replace(file, model_params=params, ema_params=ema, left_out=left_out)
 
 
 def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
