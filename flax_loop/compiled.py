@@ -11,6 +11,7 @@ the rest only when first called (`CompiledSteps`).
 
 import concurrent.futures
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,17 +48,20 @@ class _Compiling:
         programs: dict[str, Any] | None = None,
         name: str = "",
         interrupted: Callable[[], Callable[[], bool] | None] = lambda: None,
+        waited: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self._source, self._programs, self._name = source, programs, name
-        self._interrupted = interrupted
+        self._interrupted, self._waited = interrupted, waited
         self._compiled: Any = None
 
     def result(self) -> Callable[..., Any]:
         if self._compiled is None:
             source = self._source
+            started = time.perf_counter()
             self._compiled = (
                 self._wait(source) if isinstance(source, concurrent.futures.Future) else source()
             )
+            self._waited(time.perf_counter() - started)
         if self._programs is not None and self._programs.get(self._name) is self:
             self._programs[self._name] = self._compiled
         return self._compiled
@@ -117,6 +121,10 @@ class CompiledSteps:
         shardings: TrainState | None = None,
         grads_like: Callable[[Any], Any] | None = None,
     ) -> None:
+        started = time.perf_counter()
+        self.compile_seconds = 0.0
+        r"""seconds the caller's thread spent compiling, or waiting for a
+        compilation on the background thread: set-up's, then any since."""
         self.grads_like = grads_like or (lambda tree: tree)
         r"""maps a tree shaped as the parameters to one shaped as the gradients."""
         self.interrupted: Callable[[], bool] | None = None
@@ -244,19 +252,26 @@ class CompiledSteps:
                 if name in needed:
                     future = self._background.submit(compile)
                     self.programs[name] = _Compiling(
-                        future, self.programs, name, lambda: self.interrupted
+                        future, self.programs, name, lambda: self.interrupted, self._waited
                     )
                 else:
-                    self.programs[name] = _Compiling(compile, self.programs, name)
+                    self.programs[name] = _Compiling(
+                        compile, self.programs, name, waited=self._waited
+                    )
             if plan.closing_steps:
                 self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
-            self._close_interval = _Compiling(close.compile)
+            self._close_interval = _Compiling(close.compile, waited=self._waited)
             # every checkpoint copies the state
             self._copy = _Compiling(
-                self._background.submit(functools.partial(self._compile_copy, placement))
+                self._background.submit(functools.partial(self._compile_copy, placement)),
+                waited=self._waited,
             )
         finally:
             self._background.shutdown(wait=False)  # the thread ends after the last one
+        self.compile_seconds += time.perf_counter() - started
+
+    def _waited(self, seconds: float) -> None:
+        self.compile_seconds += seconds
 
     def follow(self, plan: DispatchPlan) -> None:
         r"""Makes `programs[MANY_LAST]` end the intervals of `plan` (a changed
@@ -277,7 +292,9 @@ class CompiledSteps:
             lowering = functools.partial(
                 self._lower, self._abstract, closing, n_steps=size, with_grads=True, closing=True
             )
-            program = _Compiling(functools.partial(_compile, lowering), self.programs, MANY_LAST)
+            program = _Compiling(
+                functools.partial(_compile, lowering), self.programs, MANY_LAST, waited=self._waited
+            )
             self._closing_groups[size] = program
         self.programs[MANY_LAST] = program
 
@@ -315,8 +332,10 @@ class CompiledSteps:
         shapes = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
         compiled = self._shorter.get(shapes)
         if compiled is None:
+            started = time.perf_counter()
             lowered = self._lower(state, batch, with_grads=True)
             compiled = self._shorter[shapes] = lowered.compile()
+            self._waited(time.perf_counter() - started)
         return (*compiled(state, batch, key), None)
 
     def close_interval(self, state: TrainState, grads: Any) -> Any:

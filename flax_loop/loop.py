@@ -74,6 +74,7 @@ from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, build_step
 from flax_loop.task import TrainTask, check_train_task
 from flax_loop.throughput import Throughput
+from flax_loop.timing import TimeBreakdown
 
 MAX_STEPS = 2**31 - 1
 r"""The largest step number: the step counter on the devices is an int32."""
@@ -346,6 +347,7 @@ class TrainLoop:
                 frozen=trained_part.frozen_mask(),
             )
             setup_seconds = time.perf_counter() - started
+            self._times = TimeBreakdown(setup_seconds, self._steps.compile_seconds)
             trained = trained_part.split(start.model_params)
             log(
                 describe_model(start.model_params, placement.n_devices, setup_seconds, trained),
@@ -353,11 +355,20 @@ class TrainLoop:
                 lead="Model:",
                 style="bold",
             )
+            self._handed_out = time.perf_counter()  # the caller's code runs from here
 
     @property
     def step(self) -> int:
         r"""the number of completed steps."""
         return self._step
+
+    @property
+    def time_breakdown(self) -> dict[str, float]:
+        r"""where the run's time went so far, in seconds: `setup` (without
+        its compiling), `compile`, `data`, `device`, `caller` (your code
+        between checkpoints) and `wall`; each checkpoint's `time_breakdown`
+        holds its interval's (`flax_loop.timing`)."""
+        return self._times.totals()
 
     @property
     def peak_flops(self) -> float | None:
@@ -550,10 +561,13 @@ class TrainLoop:
         report = self._report
         if report is not None and not report.active:
             report.start(self._step, total)
-        started = time.perf_counter()
+        started = mark = time.perf_counter()
+        compiled_before = self._steps.compile_seconds
+        data = device = 0.0  # seconds waiting for batches, dispatching (timing.py)
         # The per-step path reads locals only: each attribute lookup or call
         # here is a measurable part of a small model's step.
         programs, take, group = self._steps.programs, self._feed.take, self._plan.group
+        perf_counter = time.perf_counter
         key, guard, intervals, profile = self._train_key, self._guard, self._intervals, self.profile
         # every step's loss, read at the checkpoint
         note_loss, note_losses = intervals.losses.append, intervals.losses.extend
@@ -567,6 +581,8 @@ class TrainLoop:
         while step < boundary:
             remaining = boundary - step
             dispatch = take(group(remaining), remaining, may_stop and guard.requested, step + 1)
+            taken = perf_counter()
+            data += taken - mark
             if dispatch is None:
                 break
             batch, n_steps, variant, last = dispatch
@@ -592,6 +608,8 @@ class TrainLoop:
             queue.push(loss)
             if report is not None:
                 report.advance(step)
+            mark = perf_counter()
+            device += mark - taken
             if last:
                 ending = result
                 break
@@ -607,6 +625,17 @@ class TrainLoop:
         checkpoint.throughput = self._throughput.measure(
             checkpoint.n_completed_steps, checkpoint.elapsed_time
         )
+        ended = time.perf_counter()
+        device += ended - mark  # the checkpoint's copy and statistics: waiting for the devices
+        compiled = self._steps.compile_seconds - compiled_before  # inside dispatches or the close
+        checkpoint.time_breakdown = self._times.add(
+            compile=compiled,
+            data=data,
+            device=max(device - compiled, 0.0),
+            caller=started - self._handed_out,
+            wall=ended - self._handed_out,
+        )
+        self._handed_out = ended
         if preempted:
             self._guard.clear()
         if report is not None:

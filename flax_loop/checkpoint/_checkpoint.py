@@ -64,6 +64,13 @@ class Checkpoint(Saved):
     preempted: bool = field(default=False, kw_only=True)
     r"""whether the loop stopped here because the process was asked to stop."""
 
+    time_breakdown: dict[str, float] = field(default_factory=dict, kw_only=True)
+    r"""where the interval's wall time went, in seconds: `compile`, `data`
+    (waiting for batches), `device` (the devices' steps), `caller` (your
+    code since the previous checkpoint) and `wall`, their sum; `device /
+    wall` is the goodput (`flax_loop.timing`). `{}` for a checkpoint not
+    made by a loop."""
+
     frozen: Any = field(default=None, kw_only=True, repr=False)
     r"""which parameters no optimizer trains (`TrainTask(trainable=...)`): a
     tree of booleans shaped as `model_params`, `True` for a frozen one;

@@ -8,6 +8,7 @@ import optax
 
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
 from flax_loop.parallel import to_host
+from flax_loop.timing import goodput
 
 
 def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
@@ -15,7 +16,8 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
 
     `loss` is the mean over the interval, `last_loss` the last step's; the
     L2 norms are global norms over every leaf; the checkpoint's `throughput`
-    follows (examples, tokens and FLOPs a second, MFU).
+    follows (examples, tokens and FLOPs a second, MFU), and its `goodput`
+    (the devices' share of the interval's wall time).
 
     >>> sorted(train_statistics(checkpoint))  # doctest: +NORMALIZE_WHITESPACE
     ['examples_per_second', 'flops_per_second_per_device', 'flops_per_step',
@@ -36,7 +38,13 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
         "gradients_l2norm": float(grads_norm),
         "weights_l2norm": float(weights_norm),
         **{name: float(value) for name, value in getattr(checkpoint, "throughput", {}).items()},
+        **_goodput(checkpoint),
     }
+
+
+def _goodput(checkpoint: Checkpoint) -> dict[str, float]:
+    breakdown = getattr(checkpoint, "time_breakdown", {})
+    return {"goodput": goodput(breakdown)} if breakdown else {}
 
 
 @jax.jit

@@ -1,0 +1,100 @@
+"""Where the time went: `Checkpoint.time_breakdown` and `loop.time_breakdown`.
+
+Each part is checked against a cause the test controls (a loop body that
+sleeps, a data stream that sleeps, a changed cadence that compiles) and the
+run's total against the wall clock around it.
+"""
+
+import itertools
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from flax_loop.timing import PARTS, describe, goodput
+from tests.helpers import batches, digits_loop, digits_split
+
+X, Y, _, _ = digits_split()
+
+
+def check_sums(breakdown):
+    parts = sum(breakdown[part] for part in PARTS)
+    assert parts == pytest.approx(breakdown["wall"], rel=0.02)
+    assert all(breakdown[part] >= 0 for part in PARTS)
+
+
+def test_the_callers_code_the_run_total_and_compiling_are_where_they_happened():
+    jax.devices(), jax.random.key(0)  # the backend starts before the clock does
+    started = time.perf_counter()
+    loop = digits_loop(n_steps=60, n_steps_per_checkpoint=20, n_devices=1)
+    checkpoints = []
+    for checkpoint in loop:
+        received = time.perf_counter()
+        checkpoints.append(checkpoint)
+        if checkpoint.step < 60:
+            time.sleep(0.25)  # "evaluation"
+    first, second, third = (c.time_breakdown for c in checkpoints)
+    for breakdown in (first, second, third):
+        check_sums(breakdown)
+    # the caller's sleep is the next interval's caller time
+    # (a garbage collection may land in the caller's time: 0.1 s of slack)
+    assert 0.25 <= second["caller"] < 0.25 + 0.1, second
+    assert 0.25 <= third["caller"] < 0.25 + 0.1, third
+    assert first["caller"] < 0.1, first
+    # compiling happens at set-up and while the first interval waits for its
+    # closing step; later intervals compile nothing
+    assert second["compile"] == 0 and third["compile"] == 0, (second, third)
+    totals = loop.time_breakdown
+    assert totals["compile"] > 0.2
+    assert set(totals) == {"setup", *PARTS, "wall"}
+    for part in ("data", "device", "caller"):
+        assert totals[part] == pytest.approx(sum(b[part] for b in (first, second, third)))
+    assert totals["compile"] > first["compile"]  # set-up compiled the first program
+    # the run's total is the wall clock from construction to the last checkpoint
+    assert totals["wall"] == pytest.approx(received - started, rel=0.02), totals
+    assert sum(totals[p] for p in ("setup", *PARTS)) == pytest.approx(totals["wall"], rel=0.02)
+    assert "your code" in describe(totals)
+    assert goodput(third) == pytest.approx(third["device"] / third["wall"])
+    assert checkpoints[-1].time_breakdown is not checkpoints[-2].time_breakdown
+
+
+def slow(stream, seconds):
+    for batch in stream:
+        time.sleep(seconds)
+        yield batch
+
+
+def test_a_slow_stream_shows_as_data_time():
+    data = slow(batches(X, Y, 32), 0.02)
+    loop = digits_loop(data=data, n_steps=40, n_steps_per_checkpoint=20, n_devices=1, prefetch=0)
+    *_, last = loop
+    breakdown = last.time_breakdown
+    check_sums(breakdown)
+    assert 20 * 0.02 <= breakdown["data"] < 20 * 0.02 + 0.15
+    assert breakdown["data"] > 0.6 * breakdown["wall"]
+
+
+class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.relu(nn.Dense(512)(x))
+        return nn.Dense(10)(x)
+
+
+def test_a_heavy_step_is_device_time_and_a_changed_cadence_compiles():
+    data = itertools.cycle(list(itertools.islice(batches(np.tile(X, (1, 8)), Y, 256), 4)))
+    loop = digits_loop(
+        Wide(), data=data, n_steps=60, n_steps_per_checkpoint=20, n_devices=1, steps_per_dispatch=4
+    )
+    first, second = loop.next_checkpoint(), loop.next_checkpoint()
+    check_sums(second.time_breakdown)
+    assert second.time_breakdown["compile"] == 0
+    assert goodput(second.time_breakdown) > 0.85  # a step of ~10 ms: the devices' time
+    loop.n_steps_per_checkpoint = 10  # its closing group of two steps compiles now
+    third = loop.next_checkpoint()
+    assert third.step == 50
+    check_sums(third.time_breakdown)
+    assert third.time_breakdown["compile"] > 0.05
