@@ -270,6 +270,11 @@ class CompiledSteps:
             self._background.shutdown(wait=False)  # the thread ends after the last one
         self.compile_seconds += time.perf_counter() - started
 
+    @property
+    def state_shapes(self) -> TrainState:
+        r"""the state's shapes, dtypes and shardings, unpacked (`jax.ShapeDtypeStruct`)."""
+        return self._unpacked
+
     def _waited(self, seconds: float) -> None:
         self.compile_seconds += seconds
 

@@ -30,9 +30,9 @@ import numpy as np
 from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
-from flax_loop import distributed
+from flax_loop import distributed, memory
 from flax_loop.batch import Batch, BatchTree, normalize_batch, normalize_group
-from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader
+from flax_loop.checkpoint import Checkpoint, CheckpointFileReader, OrbaxCheckpointReader, Saved
 from flax_loop.compiled import CompiledSteps
 from flax_loop.console import describe_model
 from flax_loop.errors import (
@@ -54,6 +54,7 @@ from flax_loop.initial import (
 )
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
+from flax_loop.memory import check_fits, format_plan
 from flax_loop.modules import DEFAULT_STREAM, as_init, is_nnx
 from flax_loop.objective import Objective, StepInputs
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
@@ -355,12 +356,50 @@ class TrainLoop:
                 lead="Model:",
                 style="bold",
             )
+            figures = self.memory_plan()
+            log(
+                format_plan(
+                    figures
+                    if "total" in figures
+                    else max(figures.values(), key=lambda device: device["total"])
+                ),
+                stdout,
+                lead="Memory:",
+            )
+            check_fits(figures, placement.devices, fsdp=sharding == "fsdp")
             self._handed_out = time.perf_counter()  # the caller's code runs from here
 
     @property
     def step(self) -> int:
         r"""the number of completed steps."""
         return self._step
+
+    def memory_plan(self) -> dict[str, Any]:
+        r"""The bytes each device holds while training (`flax_loop.memory`):
+        `params` (with `model_state` apart), `optimizer_state`, `ema`, a
+        dispatch's `batch`, the compiled step's `temporaries` (XLA's memory
+        analysis of the programs compiled so far), the `checkpoint` copy of
+        the saved state, and their `total`. One dict when every device holds
+        the same, else a dict of them by device. Set-up prints it with
+        `stdout=True`, and raises a `ConfigError` when it exceeds a device's
+        memory (where the device says how much it has: GPUs, TPUs)."""
+        shapes = self._steps.state_shapes
+        placement, group = self._placement, self._plan.steps_per_dispatch
+        sharding = placement.stacked_batch_sharding if group > 1 else placement.batch_sharding
+        batch = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(
+                (group, *np.shape(leaf)) if group > 1 else np.shape(leaf),
+                np.asarray(leaf).dtype,
+                sharding=sharding,
+            ),
+            self._feed.sample,
+        )
+        return memory.plan(
+            {name: getattr(shapes, name) for name in Saved.ARRAYS},
+            batch,
+            self._steps.programs.values(),
+            placement.devices,
+        )
 
     @property
     def time_breakdown(self) -> dict[str, float]:

@@ -1,0 +1,158 @@
+r"""Will it fit: the bytes each device holds while training, before the first step.
+
+`TrainLoop.memory_plan()` adds up, per device, the bytes of the state's
+shards (parameters and the model's other collections, the optimizer's
+state, the moving average), a dispatch's batch, the compiled step's
+temporaries (XLA's memory analysis of the compiled programs) and the copy
+of the saved state a checkpoint hands out. Arrays laid out over the
+devices count their shard; replicated ones count whole on each device.
+
+>>> import jax, numpy as np
+>>> state = {"params": {"w": jax.ShapeDtypeStruct((1024, 256), np.float32)}}
+>>> per_device_bytes(state["params"], jax.devices()[:1])
+[1048576]
+>>> format_plan({"params": 1048576, "optimizer_state": 2097152, "batch": 4096,
+...              "checkpoint": 3145728, "total": 6295552})
+'6.0 MiB a device: params 1.0 MiB, optimizer state 2.0 MiB, batch 4.0 KiB, checkpoint copy 3.0 MiB'
+"""
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from flax_loop.errors import ConfigError
+from flax_loop.log import format_bytes
+
+PARTS = (
+    "params",
+    "model_state",
+    "optimizer_state",
+    "ema",
+    "batch",
+    "temporaries",
+    "checkpoint",
+)
+r"""The parts of a device's memory the plan counts; `total` is their sum."""
+
+_NAMES = {"optimizer_state": "optimizer state", "model_state": "model state"}
+_NAMES["checkpoint"] = "checkpoint copy"
+
+
+def _shard_bytes(leaf: Any) -> tuple[int, Iterable[Any]]:
+    r"""A leaf's bytes on each device that holds it, and those devices."""
+    itemsize = np.dtype(leaf.dtype).itemsize
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return int(np.prod(leaf.shape, dtype=np.int64)) * itemsize, ()
+    shape = sharding.shard_shape(leaf.shape)
+    return int(np.prod(shape, dtype=np.int64)) * itemsize, sharding.device_set
+
+
+def per_device_bytes(tree: Any, devices: Sequence[Any]) -> list[int]:
+    r"""The bytes of a tree's arrays on each of `devices` (an array without
+    a sharding counts whole on every device)."""
+    totals = dict.fromkeys(devices, 0)
+    for leaf in jax.tree.leaves(tree):
+        if not hasattr(leaf, "shape"):
+            continue
+        nbytes, holders = _shard_bytes(leaf)
+        for device in holders or devices:
+            if device in totals:
+                totals[device] += nbytes
+    return [totals[device] for device in devices]
+
+
+def temporaries(programs: Iterable[Any]) -> int:
+    r"""The largest temporary buffer size of the compiled programs (XLA's
+    memory analysis, per device); 0 where the backend does not say."""
+    largest = 0
+    for program in programs:
+        analysis = getattr(program, "memory_analysis", None)
+        try:
+            stats = analysis() if analysis is not None else None
+        except Exception:  # a backend without the analysis
+            stats = None
+        if stats is not None:
+            largest = max(largest, int(getattr(stats, "temp_size_in_bytes", 0) or 0))
+    return largest
+
+
+def plan(state: Any, batch: Any, programs: Iterable[Any], devices: Sequence[Any]) -> dict[str, Any]:
+    r"""The plan: one dict of bytes (`PARTS` and `total`) when every device
+    holds the same, else a dict of them by device.
+
+    Args:
+        state: the training state's arrays (or `jax.ShapeDtypeStruct` with
+            their shardings): `model_params`, `model_state`,
+            `optimizer_state`, `ema_params`.
+        batch: one dispatch's batch, laid out as the step takes it.
+        programs: the compiled step programs.
+        devices: the devices training runs on.
+
+    A checkpoint's copy of the saved state is laid out as the state is, so
+    it counts the state's bytes again (one checkpoint held at a time).
+    """
+    parts = {
+        "params": per_device_bytes(state["model_params"], devices),
+        "model_state": per_device_bytes(state["model_state"], devices),
+        "optimizer_state": per_device_bytes(state["optimizer_state"], devices),
+        "ema": per_device_bytes(state["ema_params"], devices),
+        "batch": per_device_bytes(batch, devices),
+        "temporaries": [temporaries(programs)] * len(devices),
+    }
+    parts["checkpoint"] = [
+        sum(parts[part][index] for part in ("params", "model_state", "optimizer_state", "ema"))
+        for index in range(len(devices))
+    ]
+    by_device = []
+    for index in range(len(devices)):
+        figures = {part: parts[part][index] for part in PARTS}
+        figures["total"] = sum(figures.values())
+        by_device.append(figures)
+    if all(figures == by_device[0] for figures in by_device):
+        return by_device[0]
+    return {str(device): figures for device, figures in zip(devices, by_device)}
+
+
+def device_limit(device: Any) -> int | None:
+    r"""The bytes a device may allocate (`memory_stats()["bytes_limit"]` on
+    GPUs and TPUs), or `None` where it does not say (CPUs)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def check_fits(memory_plan: dict[str, Any], devices: Sequence[Any], fsdp: bool) -> None:
+    r"""Raises a `ConfigError` when a device's plan exceeds its limit.
+
+    Raises:
+        ConfigError: naming the device, the figures and the remedies.
+    """
+    plans = [memory_plan] * len(devices) if "total" in memory_plan else list(memory_plan.values())
+    for device, figures in zip(devices, plans):
+        limit = device_limit(device)
+        if limit is None or figures["total"] <= limit:
+            continue
+        remedies = ["a smaller batch", "steps_per_dispatch=1"]
+        if not fsdp:
+            remedies.insert(0, 'sharding="fsdp" (each device holds a share of the state)')
+        raise ConfigError(
+            f"Training would need {format_bytes(figures['total'])} on {device}, which "
+            f"has {format_bytes(limit)}: {format_plan(figures).partition(': ')[2]}. "
+            f"Try {', '.join(remedies)}, or more devices."
+        )
+
+
+def format_plan(figures: dict[str, Any]) -> str:
+    r"""One device's plan in a line (parts of 0 bytes left out)."""
+    shown = ", ".join(
+        f"{_NAMES.get(part, part)} {format_bytes(figures[part])}"
+        for part in PARTS
+        if figures.get(part)
+    )
+    return f"{format_bytes(figures['total'])} a device: {shown}"
