@@ -2,6 +2,7 @@
 
     python -m tests.distributed_worker --process-id 0 --num-processes 2 --port P \
         --devices 2 --n-steps 20 --out params.npz [--dir CKPTS] [--bad-batch-at 5]
+    mpirun -np 2 python -m tests.distributed_worker --launcher --devices 2 ...
 
 Every process trains on its share of the same global batches (32 digits a
 step, split in process order) with Adam; process 0 saves the final
@@ -17,6 +18,11 @@ from typing import Any
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--launcher",
+        action="store_true",
+        help="jax.distributed.initialize() reads the launcher's environment (mpirun, srun)",
+    )
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
@@ -52,7 +58,12 @@ def main() -> None:
 
     import jax
 
-    if args.num_processes > 1:
+    if args.launcher:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(initialization_timeout=60)  # no address, count or rank
+        args.process_id, args.num_processes = jax.process_index(), jax.process_count()
+        print(f"process {args.process_id} of {args.num_processes}", flush=True)
+    elif args.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{args.port}",

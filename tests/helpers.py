@@ -215,12 +215,12 @@ def run(command: list[str], timeout: float = 300) -> str:
     return result.stdout
 
 
-def start(command: list[str]) -> Any:
+def start(command: list[str], env: dict[str, str] | None = None) -> Any:
     """Starts a worker process, its output (stdout and stderr) in a pipe."""
     import subprocess
 
     return subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
 
 

@@ -53,7 +53,8 @@ def test_the_callers_code_the_run_total_and_compiling_are_where_they_happened():
         assert totals[part] == pytest.approx(sum(b[part] for b in (first, second, third)))
     assert totals["compile"] > first["compile"]  # set-up compiled the first program
     # the run's total is the wall clock from construction to the last checkpoint
-    assert totals["wall"] == pytest.approx(received - started, rel=0.02), totals
+    # (less the test's own preparation of the data before TrainLoop starts)
+    assert received - started - 0.1 < totals["wall"] <= received - started, totals
     assert sum(totals[p] for p in ("setup", *PARTS)) == pytest.approx(totals["wall"], rel=0.02)
     assert "your code" in describe(totals)
     assert goodput(third) == pytest.approx(third["device"] / third["wall"])

@@ -21,7 +21,7 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
 
     >>> sorted(train_statistics(checkpoint))  # doctest: +NORMALIZE_WHITESPACE
     ['examples_per_second', 'flops_per_second_per_device', 'flops_per_step',
-     'gradients_l2norm', 'last_loss', 'loss', 'seconds_per_step',
+     'goodput', 'gradients_l2norm', 'last_loss', 'loss', 'seconds_per_step',
      'steps_per_second', 'weights_l2norm']
     """
     n_steps = max(int(checkpoint.n_completed_steps), 1)

@@ -1,0 +1,110 @@
+"""Real launchers: `jax.distributed.initialize()` without arguments, as
+Open MPI's `mpirun` and SLURM's `srun` start the processes.
+
+The programs call `jax.distributed.initialize()` with no address, count or
+rank: JAX reads them from the launcher's environment. The first tests set
+the variables each launcher sets (on 127.0.0.1, a port of the range the
+launcher's job id picks); the last runs Open MPI's own `mpirun` where it is
+installed (`apt-get install openmpi-bin`). Each compares two processes of
+two devices with one process of four.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, start
+from tests.test_multiprocess import TIMEOUT, assert_close, params, stop_all, succeed
+
+# Both launchers' ports: job id % 4096 + 61440 (Open MPI's job id divided by 4096 first).
+PORTS = 61440
+
+
+def free_launcher_port():
+    """A free port of the launchers' range, and the job id that picks it."""
+    for port in range(PORTS + os.getpid() % 4000, 65536):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port, port - PORTS
+    raise RuntimeError("no free port in 61440-65535")
+
+
+def open_mpi_env(rank, size, job):
+    return {
+        "OMPI_MCA_orte_hnp_uri": f"{job * 4096}.0;tcp://127.0.0.1:41000",
+        "OMPI_COMM_WORLD_SIZE": str(size),
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+    }
+
+
+def slurm_env(rank, size, job):
+    return {
+        "SLURM_JOB_ID": str(job),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_NTASKS": str(size),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+    }
+
+
+def launched(environment, *args):
+    """Two workers started as the launcher would: its variables, no address."""
+    _, job = free_launcher_port()
+    processes = [
+        start(
+            [sys.executable, "-m", "tests.distributed_worker", "--launcher", "--devices", "2"]
+            + [str(arg) for arg in args],
+            env={**os.environ, **environment(rank, 2, job)},
+        )
+        for rank in range(2)
+    ]
+    try:
+        results = [process.communicate(timeout=TIMEOUT) for process in processes]
+    finally:
+        stop_all(processes)
+    for process, (output, _) in zip(processes, results):
+        assert process.returncode == 0, output[-4000:]
+    return [output for output, _ in results]
+
+
+@pytest.mark.parametrize("environment", [open_mpi_env, slurm_env], ids=["open-mpi", "slurm"])
+def test_a_launchers_environment_starts_the_run_and_resumes_a_one_process_run(
+    tmp_path, environment
+):
+    succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz")
+    directory = tmp_path / "checkpoints"
+    succeed(1, "--n-steps", 10, "--dir", directory)  # a one-process run's file
+    outputs = launched(
+        environment, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "two.npz"
+    )
+    assert "Resumed from step 10" in outputs[0]
+    assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
+    assert_close(params(tmp_path / "two.npz"), params(tmp_path / "one.npz"), 1e-6)
+
+
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None,
+    reason="Open MPI's mpirun is not installed (Debian: apt-get install openmpi-bin)",
+)
+def test_mpirun_runs_two_processes_that_equal_one(tmp_path):
+    succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz")
+    directory = tmp_path / "checkpoints"
+    succeed(1, "--n-steps", 10, "--dir", directory)
+    command = ["mpirun", "-np", "2", "--oversubscribe"]
+    if os.geteuid() == 0:
+        command.append("--allow-run-as-root")
+    command += [sys.executable, "-m", "tests.distributed_worker", "--launcher", "--devices", "2"]
+    command += ["--n-steps", "20", "--dir", str(directory), "--out", str(tmp_path / "two.npz")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "Resumed from step 10" in result.stdout
+    assert_close(params(tmp_path / "two.npz"), params(tmp_path / "one.npz"), 1e-6)
