@@ -186,6 +186,16 @@ def test_the_beyond_supervised_guide_runs_as_written(capsys):
     assert "['discriminator', 'generator']" in printed
 
 
+def test_the_readme_time_and_memory_block_runs(capsys):
+    text = open(os.path.join(ROOT, "README.md")).read()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "memory_plan" in b]
+    namespace = {"__name__": "readme"}
+    exec(compile(block, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert " bytes a device" in printed and "'caller'" in printed and "'setup'" in printed
+    assert namespace["loop"].step == 20
+
+
 def test_every_readme_python_block_is_valid_python():
     import ast
 
