@@ -196,6 +196,15 @@ def test_the_readme_time_and_memory_block_runs(capsys):
     assert namespace["loop"].step == 20
 
 
+def test_the_time_and_memory_guide_runs_as_written(capsys):
+    text = open(os.path.join(ROOT, "docs", "guides", "time_and_memory.md")).read()
+    (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(block, "time_and_memory.md", "exec"), {"__name__": "guide"})
+    printed = capsys.readouterr().out
+    assert "bytes a device" in printed and "\n40 " in printed
+    assert "data " in printed and "your code " in printed
+
+
 def test_every_readme_python_block_is_valid_python():
     import ast
 

@@ -49,7 +49,7 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
         f"{name}.html"
         for name in (
             "getting_started", "iterator", "models", "data", "checkpoints", "beyond_supervised",
-            "devices", "interruptions", "speed", "migrating",
+            "devices", "interruptions", "speed", "time_and_memory", "migrating",
         )
     )  # fmt: skip
     # Notebook pages show their stored outputs (the training table, the plot).
