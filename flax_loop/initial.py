@@ -24,7 +24,7 @@ from flax_loop.checkpoint import (
     OrbaxCheckpointReader,
     Saved,
 )
-from flax_loop.checkpoint._frozen import put_back
+from flax_loop.checkpoint._frozen import put_back, taken_from
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.modules import NNXModel
@@ -169,11 +169,10 @@ def _put_back_frozen(restored: CheckpointFile, initialize: Callable[[], Any]) ->
     r"""A file without its frozen parameters, completed by the run's
     initialization (checked against the file's digest of them)."""
     assert restored.left_out is not None
-    params = initialize()
-    origin = restored.path or "The checkpoint"
-    arrays = {"model_params": put_back(restored.left_out, restored.model_params, params, origin)}
+    values = taken_from(restored.left_out, initialize(), restored.path or "The checkpoint")
+    arrays = {"model_params": put_back(restored.model_params, values)}
     if restored.ema_params is not None:  # a frozen parameter's average is the parameter
-        arrays["ema_params"] = put_back(restored.left_out, restored.ema_params, params, origin)
+        arrays["ema_params"] = put_back(restored.ema_params, values)
     return dataclasses.replace(restored, **arrays)
 
 

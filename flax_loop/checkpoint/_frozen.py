@@ -109,13 +109,13 @@ def inserted(tree: Any, leaves: dict[str, Any]) -> dict[str, Any]:
     return copy
 
 
-def put_back(left_out: LeftOut, tree: Any, source: Any, origin: str) -> Any:
-    r"""`tree` (a state's parameters) with the leaves `left_out` names taken
-    from `source` (the run's initialization), which must match the digest.
+def taken_from(left_out: LeftOut, source: Any, origin: str) -> dict[str, Any]:
+    r"""The left-out parameters' values in `source` (the run's initialized
+    parameters), `{path: leaf}`, after checking them against the digest.
 
     Raises:
-        CheckpointMismatchError: if `source`'s values differ from those the
-            file was trained with.
+        CheckpointMismatchError: if `source` lacks them or holds other
+            values than those the file's run trained with.
     """
     values = flatten(serialization.to_state_dict(source))
     if not set(left_out.paths) <= set(values) or digest(values, left_out.paths) != left_out.digest:
@@ -127,8 +127,13 @@ def put_back(left_out: LeftOut, tree: Any, source: Any, origin: str) -> Any:
             "weights, the same rnkey), or resume from files written with "
             "save_frozen=True."
         )
-    state = inserted(serialization.to_state_dict(tree), {p: values[p] for p in left_out.paths})
-    return serialization.from_state_dict(tree, state)
+    return {path: values[path] for path in left_out.paths}
+
+
+def put_back(tree: Any, values: dict[str, Any]) -> Any:
+    r"""`tree` (parameters restored from a file) with `values` (`{path: leaf}`)
+    in place of the leaves the file left out."""
+    return serialization.from_state_dict(tree, inserted(serialization.to_state_dict(tree), values))
 
 
 def _as_words(leaf: jax.Array) -> jax.Array:
