@@ -163,7 +163,7 @@ def _nnx_mask(trainable: Filter, params: Any, nnx_params: Any) -> Any:
 
     predicate = nnx.filterlib.to_predicate(as_filter(trainable))
     mask: dict[Any, Any] = {}
-    for path, variable in nnx_params.flat_state():
+    for path, variable in nnx.to_flat_state(nnx_params):
         node = mask
         for key in path[:-1]:
             node = node.setdefault(key, {})
