@@ -51,13 +51,30 @@ def per_example_loss(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(x))
-        for start in range(0, len(x) - batch_size + 1, batch_size):
-            index = order[start : start + batch_size]
-            yield x[index], y[index]
+class Batches:
+    """Shuffled batches, epoch after epoch, each epoch's order drawn from its
+    number: `get_state`/`set_state` let a resumed run read on from where the
+    checkpoint was taken (the loop saves the state in every checkpoint)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
+        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
+        self.position = 0
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        epoch, index = divmod(self.position, len(self.x) // self.batch_size)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.x))
+        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
+        self.position += 1
+        return self.x[rows], self.y[rows]
+
+    def get_state(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
 
 
 def main() -> None:
@@ -78,7 +95,7 @@ def main() -> None:
         apply=model.apply,
         optimizer=optax.adam(3e-3),
         loss=cross_entropy,
-        data=batches(x_train, y_train, args.batch_size, seed=1),
+        data=Batches(x_train, y_train, args.batch_size, seed=1),
     )
     eval_task = EvalTask(
         apply=partial(model.apply, train=False),
