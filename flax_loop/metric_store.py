@@ -32,6 +32,26 @@ MAX_PENDING = 100_000
 r"""The most metric values kept for a store that does not take them (the oldest go)."""
 
 
+def _raise_if_refused(error: Exception, tracking_uri: str | None) -> None:
+    r"""Raises a `ConfigError` for a store this install can never write to
+    (sending again would not help)."""
+    where = tracking_uri or "the default store"
+    if isinstance(error, ModuleNotFoundError):
+        raise ConfigError(
+            f"MLflowWriter cannot open {where}: MLflow needs the module {error.name!r} "
+            "for it, which the mlflow-skinny client leaves out. Install MLflow whole "
+            "(pip install mlflow) for a database store, or log to a tracking server "
+            "(http://...)."
+        ) from error
+    if "filesystem tracking backend" in str(error):
+        raise ConfigError(
+            f"MLflowWriter cannot write to {where}: MLflow 3 writes to a local file "
+            "store only with the environment variable MLFLOW_ALLOW_FILE_STORE=true. "
+            "Set it, or use a database store (sqlite:///mlflow.db, with pip install "
+            "mlflow) or a tracking server (http://...)."
+        ) from error
+
+
 def _mlflow() -> Any:
     try:
         import mlflow.entities
@@ -151,6 +171,7 @@ class MLflowWriter:
         except concurrent.futures.TimeoutError:
             why = f"it has not answered in {self.timeout:g} s"
         except Exception as error:
+            _raise_if_refused(error, self.tracking_uri)
             why = f"{type(error).__name__}: {str(error)[:300]}"
         with self._lock:
             n_kept = len(self._pending)

@@ -50,6 +50,20 @@ def test_a_bad_experiment_is_a_config_error():
         MLflowWriter(experiment="")
 
 
+def test_stores_this_install_cannot_write_to_are_config_errors(tmp_path, monkeypatch):
+    checkpoint = digits_loop(n_steps=2, n_devices=1).next_checkpoint()
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # a fresh shell
+    writer = MLflowWriter(f"file://{tmp_path}/mlruns", experiment="digits")
+    with pytest.raises(ConfigError, match="only with the environment variable MLFLOW_ALLOW_FILE"):
+        writer(checkpoint)
+    try:
+        import alembic  # noqa: F401
+    except ImportError:  # the mlflow-skinny client: no database stores
+        writer = MLflowWriter(f"sqlite:///{tmp_path}/mlflow.db", experiment="digits")
+        with pytest.raises(ConfigError, match="needs the module 'alembic'.*pip install mlflow"):
+            writer(checkpoint)
+
+
 def _history(writer, key):
     return [(m.step, m.value) for m in writer.client().get_metric_history(writer.run_id, key)]
 
