@@ -46,44 +46,78 @@ def describe_model(params: Any, n_devices: int, setup_seconds: float, trained: A
 
 
 class SummaryLogger:
-    r"""Prints each summary (or checkpoint) as a table: step, time, groups and metrics.
+    r"""Prints each summary (or checkpoint): a table of its groups and metrics,
+    or with `compact=True` one line.
 
     >>> log = SummaryLogger()
     >>> for checkpoint in loop:
     ...     _ = log(eval_loop(checkpoint))      # or log(checkpoint): its train statistics
+    >>> print(render_line(eval_loop(checkpoint)))  # doctest: +ELLIPSIS
+    Step 4: 1 step in ... s | train loss ... | eval accuracy ...
 
-    Only process 0 prints. Groups may be empty and metrics may appear later.
+    The compact line shows the interval's speed and, of the "train" group,
+    the loss, the loss function's metrics and the optimizer's
+    hyperparameters (the table shows every statistic). Only process 0
+    prints. Groups may be empty and metrics may appear later.
     """
 
-    def __init__(self, stdout: bool = True) -> None:
-        self._stdout = stdout
+    def __init__(self, stdout: bool = True, compact: bool = False) -> None:
+        self._stdout, self._compact = stdout, compact
 
     def __call__(self, summary: Checkpoint) -> Checkpoint:
         r"""Prints the summary and returns what it was given, unchanged."""
         expect(summary, Checkpoint, "SummaryLogger")
         if self._stdout and is_main_process():
-            console().print(render_summary(as_summary(summary)))
+            shown = as_summary(summary)
+            if self._compact:
+                console().print(Text(render_line(shown)), soft_wrap=True)
+            else:
+                console().print(render_summary(shown))
         return summary
 
 
 def _format_value(value: Any) -> str:
+    r"""A metric's value in 5 significant digits, thousands grouped.
+
+    >>> [_format_value(v) for v in (0.5, 2712.345, 123456.7, 1e-7, 3, "n/a")]
+    ['0.5', '2,712.3', '1.2346e+05', '1e-07', '3', 'n/a']
+    """
     try:
         number = float(value)
     except (TypeError, ValueError):
         return str(value)
-    if number != 0 and (abs(number) >= 1e5 or abs(number) < 1e-3):
-        return f"{number:.4e}"
-    return f"{number:.6f}"
+    text = f"{number:.5g}"
+    if "e" not in text and abs(number) >= 1000:
+        whole, _, fraction = text.partition(".")
+        text = f"{int(whole):,}" + (f".{fraction}" if fraction else "")
+    return text
+
+
+def _title(summary: Summary) -> str:
+    steps = summary.n_completed_steps
+    return (
+        f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "
+        f"{summary.elapsed_time:.2f} s" + (" (preempted)" if summary.preempted else "")
+    )
+
+
+def render_line(summary: Summary) -> str:
+    r"""A summary in one line: step and timing, then each group's metrics
+    (of "train", the loss, the loss function's metrics and hyperparameters)."""
+    parts = [_title(summary)]
+    for group, metrics in summary.metrics.items():
+        if group == "train" and summary.train_metrics:
+            metrics = {
+                name: metrics.get(name, value) for name, value in summary.train_metrics.items()
+            }
+        shown = " ".join(f"{name} {_format_value(value)}" for name, value in metrics.items())
+        parts.append(f"{group} {shown or '-'}")
+    return " | ".join(parts)
 
 
 def render_summary(summary: Summary) -> Table:
     r"""A rich table of a summary's metrics, titled with its step and timing."""
-    steps = summary.n_completed_steps
-    title = (
-        f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "
-        f"{summary.elapsed_time:.2f} s" + (" (preempted)" if summary.preempted else "")
-    )
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table = Table(title=_title(summary), title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("group")
     table.add_column("metric")
     table.add_column("value", justify="right")

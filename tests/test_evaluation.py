@@ -232,9 +232,26 @@ def test_summary_logger_prints_a_table(checkpoint):
     )
     out = render(lambda: (logger(first), logger(later)))
     assert out.count("Step 40: 40 steps in") == 2
-    assert "0.500000" in out and "0.250000" in out
-    assert "accuracy" in out and "0.970000" in out and "1.0000e-07" in out
+    assert " 0.5\n" in out and " 0.25\n" in out
+    assert "accuracy" in out and " 0.97\n" in out and " 1e-07\n" in out
     assert logger(first) is first
+
+
+def test_the_compact_summary_logger_prints_one_line_a_checkpoint(checkpoint):
+    fields = {**vars(checkpoint), "train_metrics": {"loss": 0.123456, "accuracy": 0.5}}
+    summary = Summary(
+        metrics={
+            "train": {"loss": 0.123456, "accuracy": 0.5, "gradients_l2norm": 3.0},
+            "eval": {"accuracy": 0.97},
+        },
+        **fields,
+    )
+    out = render(lambda: SummaryLogger(compact=True)(summary))
+    took = f"{summary.elapsed_time:.2f}"
+    expected = (
+        f"Step 40: 40 steps in {took} s | train loss 0.12346 accuracy 0.5 | eval accuracy 0.97"
+    )
+    assert out == expected + "\n"
 
 
 def read_events(directory):
