@@ -75,7 +75,7 @@ from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, build_step
 from flax_loop.task import TrainTask, check_train_task
 from flax_loop.throughput import Throughput
-from flax_loop.timing import TimeBreakdown
+from flax_loop.timing import TimeBreakdown, describe
 
 MAX_STEPS = 2**31 - 1
 r"""The largest step number: the step counter on the devices is an int32."""
@@ -560,6 +560,18 @@ class TrainLoop:
                 yield checkpoint
                 if checkpoint.preempted:
                     return
+            if target is None and self._step >= self._n_steps:
+                self._say_done()
+
+    def _say_done(self) -> None:
+        r"""The closing line of a run trained to `n_steps`: where the time went."""
+        times = self._times.totals()
+        log(
+            f"{self._step:,} steps in {times['wall']:.1f} s: {describe(times)}.",
+            self._stdout,
+            lead="Done:",
+            style="bold",
+        )
 
     def _run_alone(self, boundary: int) -> Checkpoint | None:
         with self._training(boundary):

@@ -74,7 +74,7 @@ def describe(breakdown: dict[str, Any]) -> str:
     r"""One line of where the time went, as shares of the wall time.
 
     >>> describe({"setup": 1, "compile": 1, "data": 0, "device": 7, "caller": 1, "wall": 10})
-    'device 70%, setup 10%, compile 10%, your code 10%, data 0% of 10.0 s'
+    'device 70%, setup 10%, compile 10%, your code 10%, data 0%'
     """
     wall = float(breakdown.get("wall", 0.0))
     if wall <= 0:
@@ -84,5 +84,4 @@ def describe(breakdown: dict[str, Any]) -> str:
         ((part, float(value) / wall) for part, value in breakdown.items() if part != "wall"),
         key=lambda item: -item[1],
     )
-    text = ", ".join(f"{names.get(part, part)} {share:.0%}" for part, share in shares)
-    return f"{text} of {wall:.1f} s"
+    return ", ".join(f"{names.get(part, part)} {share:.0%}" for part, share in shares)

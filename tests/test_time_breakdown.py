@@ -100,3 +100,16 @@ def test_a_heavy_step_is_device_time_and_a_changed_cadence_compiles():
     assert third.step == 50
     check_sums(third.time_breakdown)
     assert third.time_breakdown["compile"] > 0.05
+
+
+def test_a_run_trained_to_its_end_says_where_its_time_went(capsys):
+    loop = digits_loop(n_steps=20, n_steps_per_checkpoint=10, n_devices=1, stdout=True)
+    *_, last = loop
+    out = capsys.readouterr().out
+    wall = loop.time_breakdown["wall"]
+    assert f"Done: 20 steps in {wall:.1f} s: " in out
+    assert describe(loop.time_breakdown) in out
+    loop.n_steps = 30  # one more call: stopped at step 20 of a shorter target
+    for _ in loop.run(25):
+        pass
+    assert "Done:" not in capsys.readouterr().out
