@@ -29,6 +29,7 @@ from flax_loop.checkpoint import (
     Summary,
 )
 from flax_loop.console import SummaryLogger
+from flax_loop.distributed import initialize_processes
 from flax_loop.errors import FlaxLoopError
 from flax_loop.evaluation import EvalLoop
 from flax_loop.jsonlines import JsonLinesWriter
@@ -76,6 +77,7 @@ __all__ = [
     "TrainTask",
     "__version__",
     "errors",
+    "initialize_processes",
     "random",
     "set_console",
 ]

@@ -1,8 +1,10 @@
 r"""Several processes, one loop: agreement and failure across processes.
 
 flax_loop adds no launcher or transport of its own: processes are started by
-the user (or a cluster manager) and joined with `jax.distributed.initialize`;
-this module only makes them agree on values and fail together.
+the user or a launcher (`mpirun`, `srun`) and joined with
+`jax.distributed.initialize` (`initialize_processes` finds the coordinator
+under Open MPI 5 as well); this module makes them agree on values and fail
+together.
 
 If one process raises a flax_loop error, the others would wait for it in
 their next collective forever. So the failing process posts its error to
@@ -31,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_loop.errors import FlaxLoopError
+from flax_loop.errors import ConfigError, FlaxLoopError
 
 _ERROR_KEY = "flax_loop/error"
 _ALIVE = "flax_loop/alive/"
@@ -43,6 +45,43 @@ SILENT_SECONDS = 5.0
 r"""How long a peer may go without beating before it is taken for dead."""
 
 _failed = False  # this process raised an exception that ends it
+
+
+_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
+
+
+def initialize_processes(**options: Any) -> None:
+    r"""Joins this process to the others of its job: `jax.distributed.initialize`
+    with the launcher's environment.
+
+    Without arguments JAX reads SLURM's (`srun`) and Open MPI 4's
+    (`mpirun`) variables. Open MPI 5's `mpirun` no longer sets the variable
+    JAX finds its coordinator with; under it (and under other MPI
+    launchers) the processes find it through MPI itself (mpi4py, which must
+    be installed). `options` go to `jax.distributed.initialize` as they
+    are (say `coordinator_address=`, `num_processes=`, `process_id=`).
+
+    Raises:
+        ConfigError: under an MPI launcher without mpi4py, naming both remedies.
+    """
+    try:
+        jax.distributed.initialize(**options)
+        return
+    except ValueError as error:
+        launched_by_mpi = any(name in os.environ for name in _MPI_VARIABLES)
+        if options or not launched_by_mpi or "coordinator_address" not in str(error):
+            raise
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(
+            "This process was started by an MPI launcher that does not tell JAX where "
+            "its coordinator is (Open MPI 5's mpirun). Install mpi4py (pip install "
+            "mpi4py), through which the processes find it, or pass "
+            "coordinator_address='host of process 0:port', num_processes= and "
+            "process_id=."
+        ) from error
+    jax.distributed.initialize(cluster_detection_method="mpi4py")
 
 
 def is_multiprocess() -> bool:

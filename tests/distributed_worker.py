@@ -60,7 +60,9 @@ def main() -> None:
 
     if args.launcher:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(initialization_timeout=60)  # no address, count or rank
+        from flax_loop import initialize_processes
+
+        initialize_processes()  # no address, count or rank: the launcher's environment
         args.process_id, args.num_processes = jax.process_index(), jax.process_count()
         print(f"process {args.process_id} of {args.num_processes}", flush=True)
     elif args.num_processes > 1:

