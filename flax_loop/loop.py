@@ -690,7 +690,9 @@ class TrainLoop:
         if preempted:
             self._guard.clear()
         if report is not None:
-            report.checkpoint(self._step, checkpoint.loss)
+            metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}
+            loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss
+            report.checkpoint(self._step, loss, metrics)
         return checkpoint
 
 

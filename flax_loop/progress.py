@@ -1,8 +1,8 @@
 r"""Training progress: a rich bar in terminals and Jupyter, plain lines in logs.
 
 The bar counts dispatched steps, which the host knows without asking the
-devices, so it never waits for them; the loss it shows is the latest
-checkpoint's. Only process 0 shows it.
+devices, so it never waits for them; the loss and metrics it shows are the
+latest checkpoint's interval means. Only process 0 shows it.
 """
 
 import time
@@ -15,6 +15,7 @@ from rich.progress import (
     Progress,
     TaskID,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
 )
 
@@ -26,14 +27,14 @@ class ProgressReport:
     r"""Progress of a training loop, updated cheaply from the step loop.
 
     >>> import io
-    >>> lines = Console(file=io.StringIO(), force_terminal=False)   # a log file
+    >>> lines = Console(file=io.StringIO(), force_terminal=False, width=200)   # a log file
     >>> report = ProgressReport(lines)
     >>> report.start(step=0, total=1000)
     >>> report.advance(10)                        # every step; throttled
-    >>> report.checkpoint(100, loss=0.12)         # at every checkpoint
+    >>> report.checkpoint(100, loss=0.12, metrics={"accuracy": 0.9})  # at every checkpoint
     >>> report.stop()
-    >>> lines.file.getvalue().split(" · ")[0]
-    'step 100/1000'
+    >>> lines.file.getvalue().split(" · ")[0], lines.file.getvalue().split(" · ")[-1]
+    ('step 100/1000', 'loss 0.12 accuracy 0.9\n')
     """
 
     def __init__(self, console: Console) -> None:
@@ -43,6 +44,7 @@ class ProgressReport:
         self._task: TaskID | None = None
         self._total: int | None = None
         self._loss: float | None = None
+        self._metrics: dict[str, float] = {}
         self._started_at = 0.0
         self._started_step = 0
         self._next_refresh = 0.0
@@ -64,6 +66,7 @@ class ProgressReport:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 TextColumn("{task.fields[loss]}"),
                 console=self._console,
@@ -78,7 +81,10 @@ class ProgressReport:
         return BAR_REFRESH_SECONDS if self._live else LINE_REFRESH_SECONDS
 
     def _loss_text(self) -> str:
-        return "" if self._loss is None else f"loss {self._loss:.4g}"
+        if self._loss is None:
+            return ""
+        shown = {"loss": self._loss, **self._metrics}
+        return " ".join(f"{name} {value:.4g}" for name, value in shown.items())
 
     def _rate(self, step: int, now: float) -> float:
         elapsed = now - self._started_at
@@ -91,9 +97,10 @@ class ProgressReport:
             self._next_refresh = now + self._interval()
             self._show(step, now)
 
-    def checkpoint(self, step: int, loss: float) -> None:
-        r"""Shows the latest checkpoint's step and loss."""
-        self._loss = loss
+    def checkpoint(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:
+        r"""Shows the latest checkpoint's step, loss and metrics (the loss
+        function's, such as accuracy)."""
+        self._loss, self._metrics = loss, dict(metrics or {})
         self._show(step, time.perf_counter(), line=True)
 
     def _show(self, step: int, now: float, line: bool = False) -> None:
@@ -107,6 +114,7 @@ class ProgressReport:
             return
         parts = [f"step {step}" + (f"/{self._total}" if self._total else "")]
         parts.append(f"{rate:,.1f} steps/s")
+        parts.append(f"{timedelta(seconds=round(now - self._started_at))} elapsed")
         if self._total and rate > 0:
             parts.append(f"ETA {timedelta(seconds=round((self._total - step) / rate))}")
         if self._loss is not None:

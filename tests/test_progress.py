@@ -43,7 +43,9 @@ def test_plain_lines_when_not_a_terminal():
     lines = [line for line in buffer.getvalue().splitlines() if line]
     assert [line.split(" · ")[0] for line in lines] == ["step 10/30", "step 20/30", "step 30/30"]
     last = lines[-1]
-    assert "steps/s" in last and f"loss {checkpoints[-1].loss:.4g}" in last
+    # the interval's mean loss, and the elapsed time
+    assert "steps/s" in last and f"loss {checkpoints[-1].mean_loss:.4g}" in last
+    assert " elapsed" in last
     assert "ETA 0:00:00" in last
 
 
