@@ -9,44 +9,93 @@ r"""flax_loop: an iterator-style managed training loop for JAX, Flax and Optax.
 20 True
 """
 
-from flax_loop import checkpoint as _checkpoint_package
-from flax_loop import errors, random
-from flax_loop.checkpoint import (
-    Checkpoint,
-    CheckpointFile,
-    CheckpointFileReader,
-    CheckpointFileWriter,
-    HighestCheckpointFileReader,
-    HighestCheckpointFileWriter,
-    HighestOrbaxCheckpointWriter,
-    LowestCheckpointFileReader,
-    LowestCheckpointFileWriter,
-    LowestOrbaxCheckpointWriter,
-    Metrics,
-    OrbaxCheckpointReader,
-    OrbaxCheckpointWriter,
-    SavedState,
-    Summary,
-)
-from flax_loop.console import SummaryLogger
-from flax_loop.distributed import initialize_processes
-from flax_loop.errors import FlaxLoopError
-from flax_loop.evaluation import EvalLoop
-from flax_loop.jsonlines import JsonLinesWriter
-from flax_loop.log import set_console
-from flax_loop.loop import TrainLoop
-from flax_loop.metric_store import MLflowWriter
-from flax_loop.parallel import DATA_AXIS
-from flax_loop.profiling import ProfileSteps
-from flax_loop.task import EvalTask, TrainTask
-from flax_loop.tensorboard import SummaryWriter
-from flax_loop.version import __version__
+# Public names are imported when first used (PEP 562), so that a program that
+# needs only part of the package (the `flax-loop` command line listing files)
+# does not load JAX; `import flax_loop` itself is instant.
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# flax-extra programs import the summary processors from the checkpoint
-# package; they are output and live with it, so they are offered there from
-# here rather than imported by it.
-_checkpoint_package.SummaryLogger = SummaryLogger  # type: ignore[attr-defined]
-_checkpoint_package.SummaryWriter = SummaryWriter  # type: ignore[attr-defined]
+if TYPE_CHECKING:
+    from flax_loop import errors, random
+    from flax_loop.checkpoint import (
+        Checkpoint,
+        CheckpointFile,
+        CheckpointFileReader,
+        CheckpointFileWriter,
+        HighestCheckpointFileReader,
+        HighestCheckpointFileWriter,
+        HighestOrbaxCheckpointWriter,
+        LowestCheckpointFileReader,
+        LowestCheckpointFileWriter,
+        LowestOrbaxCheckpointWriter,
+        Metrics,
+        OrbaxCheckpointReader,
+        OrbaxCheckpointWriter,
+        SavedState,
+        Summary,
+    )
+    from flax_loop.console import SummaryLogger
+    from flax_loop.distributed import initialize_processes
+    from flax_loop.errors import FlaxLoopError
+    from flax_loop.evaluation import EvalLoop
+    from flax_loop.jsonlines import JsonLinesWriter
+    from flax_loop.log import set_console
+    from flax_loop.loop import TrainLoop
+    from flax_loop.metric_store import MLflowWriter
+    from flax_loop.parallel import DATA_AXIS
+    from flax_loop.profiling import ProfileSteps
+    from flax_loop.task import EvalTask, TrainTask
+    from flax_loop.tensorboard import SummaryWriter
+    from flax_loop.version import __version__
+
+_HOMES = {
+    "Checkpoint": "flax_loop.checkpoint",
+    "CheckpointFile": "flax_loop.checkpoint",
+    "CheckpointFileReader": "flax_loop.checkpoint",
+    "CheckpointFileWriter": "flax_loop.checkpoint",
+    "HighestCheckpointFileReader": "flax_loop.checkpoint",
+    "HighestCheckpointFileWriter": "flax_loop.checkpoint",
+    "HighestOrbaxCheckpointWriter": "flax_loop.checkpoint",
+    "LowestCheckpointFileReader": "flax_loop.checkpoint",
+    "LowestCheckpointFileWriter": "flax_loop.checkpoint",
+    "LowestOrbaxCheckpointWriter": "flax_loop.checkpoint",
+    "Metrics": "flax_loop.checkpoint",
+    "OrbaxCheckpointReader": "flax_loop.checkpoint",
+    "OrbaxCheckpointWriter": "flax_loop.checkpoint",
+    "SavedState": "flax_loop.checkpoint",
+    "Summary": "flax_loop.checkpoint",
+    "SummaryLogger": "flax_loop.console",
+    "initialize_processes": "flax_loop.distributed",
+    "FlaxLoopError": "flax_loop.errors",
+    "EvalLoop": "flax_loop.evaluation",
+    "JsonLinesWriter": "flax_loop.jsonlines",
+    "set_console": "flax_loop.log",
+    "TrainLoop": "flax_loop.loop",
+    "MLflowWriter": "flax_loop.metric_store",
+    "DATA_AXIS": "flax_loop.parallel",
+    "ProfileSteps": "flax_loop.profiling",
+    "EvalTask": "flax_loop.task",
+    "TrainTask": "flax_loop.task",
+    "SummaryWriter": "flax_loop.tensorboard",
+    "__version__": "flax_loop.version",
+}
+_SUBMODULES = ("checkpoint", "errors", "random")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"flax_loop.{name}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'flax_loop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "DATA_AXIS",

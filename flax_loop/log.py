@@ -13,7 +13,6 @@ one place (a notebook, a test, a log file):
 import math
 import threading
 
-import jax
 from rich.console import Console
 from rich.text import Text
 
@@ -46,6 +45,8 @@ def set_console(new: Console | None) -> Console | None:
 
 def is_main_process() -> bool:
     r"""Whether this process prints, logs and writes files (process 0)."""
+    import jax  # here, so that the command line's listing starts without JAX
+
     return jax.process_index() == 0
 
 

@@ -155,3 +155,22 @@ def test_the_module_and_console_script_run(files):
     script = shutil.which("flax-loop")
     if script is not None:  # installed with pip install -e .
         assert subprocess.run([script, "ls", str(files)], capture_output=True).returncode == 0
+
+
+def test_listing_files_loads_neither_jax_nor_orbax(files):
+    program = (
+        "import sys\n"
+        "from flax_loop import cli\n"
+        "codes = [cli.main(args) for args in sys.argv[1:] and "
+        "[['ls', sys.argv[1]], ['verify', sys.argv[1]], ['show', sys.argv[2]]]]\n"
+        "print(codes, sorted(m for m in ('jax', 'orbax', 'flax') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, str(files), str(files / "regular.6.ckpt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # ls lists a damaged file (0), verify fails on it (1), show reads an intact one (0)
+    assert result.stdout.strip().endswith("[0, 1, 0] []"), result.stdout + result.stderr

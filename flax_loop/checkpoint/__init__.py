@@ -1,33 +1,82 @@
 r"""Checkpoints: the state a loop yields, its files, and their readers and writers."""
 
-from flax_loop.checkpoint._best import (
-    HighestCheckpointFileReader,
-    HighestCheckpointFileWriter,
-    LowestCheckpointFileReader,
-    LowestCheckpointFileWriter,
-)
-from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary, expect
-from flax_loop.checkpoint._file import CheckpointFile
-from flax_loop.checkpoint._inventory import (
-    CheckpointContents,
-    CheckpointEntry,
-    list_checkpoints,
-    read_contents,
-)
-from flax_loop.checkpoint._orbax import (
-    HighestOrbaxCheckpointWriter,
-    LowestOrbaxCheckpointWriter,
-    OrbaxCheckpointReader,
-    OrbaxCheckpointWriter,
-)
-from flax_loop.checkpoint._reader import CheckpointFileReader
-from flax_loop.checkpoint._saved import Saved, SavedState
-from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
-from flax_loop.checkpoint._writer import CheckpointFileWriter
+# Names are imported when first used (PEP 562, as in `flax_loop`): listing
+# files (`list_checkpoints`, `read_contents`) loads neither JAX nor Orbax.
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# `SummaryLogger` and `SummaryWriter` are output, not checkpoints, and live in
-# `flax_loop.console` and `flax_loop.tensorboard`; `flax_loop/__init__.py`
-# also offers them here, where flax-extra programs import them from.
+if TYPE_CHECKING:
+    from flax_loop.checkpoint._best import (
+        HighestCheckpointFileReader,
+        HighestCheckpointFileWriter,
+        LowestCheckpointFileReader,
+        LowestCheckpointFileWriter,
+    )
+    from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary, expect
+    from flax_loop.checkpoint._file import CheckpointFile
+    from flax_loop.checkpoint._inventory import (
+        CheckpointContents,
+        CheckpointEntry,
+        list_checkpoints,
+        read_contents,
+    )
+    from flax_loop.checkpoint._orbax import (
+        HighestOrbaxCheckpointWriter,
+        LowestOrbaxCheckpointWriter,
+        OrbaxCheckpointReader,
+        OrbaxCheckpointWriter,
+    )
+    from flax_loop.checkpoint._reader import CheckpointFileReader
+    from flax_loop.checkpoint._saved import Saved, SavedState
+    from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
+    from flax_loop.checkpoint._writer import CheckpointFileWriter
+
+_HOMES = {
+    "HighestCheckpointFileReader": "flax_loop.checkpoint._best",
+    "HighestCheckpointFileWriter": "flax_loop.checkpoint._best",
+    "LowestCheckpointFileReader": "flax_loop.checkpoint._best",
+    "LowestCheckpointFileWriter": "flax_loop.checkpoint._best",
+    "Checkpoint": "flax_loop.checkpoint._checkpoint",
+    "Metrics": "flax_loop.checkpoint._checkpoint",
+    "Summary": "flax_loop.checkpoint._checkpoint",
+    "expect": "flax_loop.checkpoint._checkpoint",
+    "CheckpointFile": "flax_loop.checkpoint._file",
+    "CheckpointContents": "flax_loop.checkpoint._inventory",
+    "CheckpointEntry": "flax_loop.checkpoint._inventory",
+    "list_checkpoints": "flax_loop.checkpoint._inventory",
+    "read_contents": "flax_loop.checkpoint._inventory",
+    "HighestOrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
+    "LowestOrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
+    "OrbaxCheckpointReader": "flax_loop.checkpoint._orbax",
+    "OrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
+    "CheckpointFileReader": "flax_loop.checkpoint._reader",
+    "Saved": "flax_loop.checkpoint._saved",
+    "SavedState": "flax_loop.checkpoint._saved",
+    "as_summary": "flax_loop.checkpoint._summary",
+    "summarize": "flax_loop.checkpoint._summary",
+    "train_statistics": "flax_loop.checkpoint._summary",
+    "CheckpointFileWriter": "flax_loop.checkpoint._writer",
+    # Output, not checkpoints (they live in `flax_loop.console` and
+    # `flax_loop.tensorboard`): offered here too, where flax-extra programs
+    # import them from.
+    "SummaryLogger": "flax_loop.console",
+    "SummaryWriter": "flax_loop.tensorboard",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'flax_loop.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
+
 __all__ = [
     "Checkpoint",
     "CheckpointContents",

@@ -13,14 +13,10 @@ from flax import serialization
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._checkpoint import Metrics
-from flax_loop.checkpoint._frozen import LeftOut
+from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX, LeftOut
 from flax_loop.checkpoint._saved import Saved
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.random import key_data, key_from_data
-
-SUFFIX = ".ckpt"
-TEMPORARY_PREFIX = ".tmp."
-REGULAR_PREFIX = "regular."
 
 
 @dataclass

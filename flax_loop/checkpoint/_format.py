@@ -27,7 +27,6 @@ import numpy as np
 
 from flax_loop.checkpoint._checksums import Checksums
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
-from flax_loop.parallel import to_host
 
 FORMAT_NAME = "flax_loop.checkpoint"
 FORMAT_VERSION = 1
@@ -74,6 +73,8 @@ _DTYPES.update(
 
 
 def _host_leaf(leaf: Any) -> np.ndarray:
+    from flax_loop.parallel import to_host  # JAX only where arrays are written
+
     array = to_host(leaf)
     if array.dtype.name not in _DTYPES:
         raise CheckpointError(

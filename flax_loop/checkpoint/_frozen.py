@@ -26,7 +26,6 @@ and only 8 bytes per array come to the host.
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -34,28 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from flax_loop.checkpoint._names import LeftOut
 from flax_loop.errors import CheckpointMismatchError
 from flax_loop.parallel import to_host
-
-
-@dataclass(frozen=True)
-class LeftOut:
-    r"""The frozen parameters a file leaves out."""
-
-    paths: tuple[str, ...]
-    r"""their paths in the parameters' state dict, `"/Dense_0/kernel"`."""
-
-    digest: str
-    r"""a digest of their values (`digest`)."""
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"paths": list(self.paths), "digest": self.digest}
-
-    @classmethod
-    def from_meta(cls, meta: Any) -> "LeftOut | None":
-        if not isinstance(meta, dict):
-            return None
-        return cls(tuple(str(path) for path in meta.get("paths", ())), str(meta.get("digest")))
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

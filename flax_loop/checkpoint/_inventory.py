@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 
 from flax_loop.checkpoint import _format
-from flax_loop.checkpoint._file import SUFFIX, TEMPORARY_PREFIX
-from flax_loop.checkpoint._frozen import LeftOut
+from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX, LeftOut
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
 
 _STEP_NAME = re.compile(r"[0-9]+")

@@ -7,14 +7,9 @@ from typing import Any
 import numpy as np
 from flax import serialization
 
-from flax_loop.checkpoint._file import (
-    REGULAR_PREFIX,
-    CheckpointFile,
-    list_steps,
-    load,
-    restore_key,
-)
-from flax_loop.checkpoint._frozen import LeftOut, flatten, inserted
+from flax_loop.checkpoint._file import CheckpointFile, list_steps, load, restore_key
+from flax_loop.checkpoint._frozen import flatten, inserted
+from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut
 from flax_loop.checkpoint._saved import REQUIRED_ARRAYS, Saved
 from flax_loop.errors import (
     CheckpointCorruptError,

@@ -13,9 +13,10 @@ from typing import Any
 
 from flax_loop.checkpoint import _file
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
-from flax_loop.checkpoint._file import REGULAR_PREFIX, CheckpointFile
+from flax_loop.checkpoint._file import CheckpointFile
 from flax_loop.checkpoint._frozen import leave_out
 from flax_loop.checkpoint._lock import DirectoryLock
+from flax_loop.checkpoint._names import REGULAR_PREFIX
 from flax_loop.errors import CheckpointError, ConfigError, check_count
 from flax_loop.log import is_main_process, log
 from flax_loop.parallel import gather_split, to_host
