@@ -12,8 +12,9 @@ r"""flax_loop: an iterator-style managed training loop for JAX, Flax and Optax.
 # Public names are imported when first used (PEP 562), so that a program that
 # needs only part of the package (the `flax-loop` command line listing files)
 # does not load JAX; `import flax_loop` itself is instant.
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flax_loop._lazy import lazy
 
 if TYPE_CHECKING:
     from flax_loop import errors, random
@@ -79,23 +80,8 @@ _HOMES = {
     "SummaryWriter": "flax_loop.tensorboard",
     "__version__": "flax_loop.version",
 }
-_SUBMODULES = ("checkpoint", "errors", "random")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"flax_loop.{name}")
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'flax_loop' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+_HOMES.update({name: f"flax_loop.{name}" for name in ("checkpoint", "errors", "random")})
+__getattr__, __dir__ = lazy("flax_loop", globals(), _HOMES)
 
 __all__ = [
     "DATA_AXIS",

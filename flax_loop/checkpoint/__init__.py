@@ -2,8 +2,9 @@ r"""Checkpoints: the state a loop yields, its files, and their readers and write
 
 # Names are imported when first used (PEP 562, as in `flax_loop`): listing
 # files (`list_checkpoints`, `read_contents`) loads neither JAX nor Orbax.
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flax_loop._lazy import lazy
 
 if TYPE_CHECKING:
     from flax_loop.checkpoint._best import (
@@ -64,18 +65,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'flax_loop.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
-
+__getattr__, __dir__ = lazy("flax_loop.checkpoint", globals(), _HOMES)
 
 __all__ = [
     "Checkpoint",
