@@ -55,12 +55,12 @@ def per_dispatch_seconds(number=1_000_000):
 
 
 def per_checkpoint_seconds(number=100_000):
-    """The interval's parts added to the run's (`TimeBreakdown.add`) and its clock reads."""
+    """The interval's parts added to the run's (`TimeBreakdown.close`) and its clock reads."""
     times = TimeBreakdown(1.0, 0.5)
 
     def close():
-        ended = time.perf_counter()
-        times.add(compile=0.0, data=0.1, device=max(ended - 1.0, 0.0), caller=0.1, wall=ended)
+        started = time.perf_counter()
+        times.close(started, time.perf_counter(), data=0.1, device=0.5, compiled=0.0)
 
     return timeit.timeit(close, number=number) / number
 

@@ -54,7 +54,7 @@ from flax_loop.initial import (
 )
 from flax_loop.interval import Intervals
 from flax_loop.log import console, is_main_process, log
-from flax_loop.memory import check_fits, format_plan
+from flax_loop.memory import check_fits, dispatch_batch, format_plan, fullest
 from flax_loop.modules import DEFAULT_STREAM, as_init, is_nnx
 from flax_loop.objective import Objective, StepInputs
 from flax_loop.parallel import DATA_AXIS, InFlight, Placement
@@ -348,7 +348,6 @@ class TrainLoop:
                 frozen=trained_part.frozen_mask(),
             )
             setup_seconds = time.perf_counter() - started
-            self._times = TimeBreakdown(setup_seconds, self._steps.compile_seconds)
             trained = trained_part.split(start.model_params)
             log(
                 describe_model(start.model_params, placement.n_devices, setup_seconds, trained),
@@ -357,17 +356,10 @@ class TrainLoop:
                 style="bold",
             )
             figures = self.memory_plan()
-            log(
-                format_plan(
-                    figures
-                    if "total" in figures
-                    else max(figures.values(), key=lambda device: device["total"])
-                ),
-                stdout,
-                lead="Memory:",
-            )
+            log(format_plan(fullest(figures)), stdout, lead="Memory:")
             check_fits(figures, placement.devices, fsdp=sharding == "fsdp")
-            self._handed_out = time.perf_counter()  # the caller's code runs from here
+            # the caller's code runs from here
+            self._times = TimeBreakdown(setup_seconds, self._steps.compile_seconds)
 
     @property
     def step(self) -> int:
@@ -384,19 +376,10 @@ class TrainLoop:
         `stdout=True`, and raises a `ConfigError` when it exceeds a device's
         memory (where the device says how much it has: GPUs, TPUs)."""
         shapes = self._steps.state_shapes
-        placement, group = self._placement, self._plan.steps_per_dispatch
-        sharding = placement.stacked_batch_sharding if group > 1 else placement.batch_sharding
-        batch = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(
-                (group, *np.shape(leaf)) if group > 1 else np.shape(leaf),
-                np.asarray(leaf).dtype,
-                sharding=sharding,
-            ),
-            self._feed.sample,
-        )
+        placement = self._placement
         return memory.plan(
             {name: getattr(shapes, name) for name in Saved.ARRAYS},
-            batch,
+            dispatch_batch(self._feed.sample, self._plan.steps_per_dispatch, placement),
             self._steps.programs.values(),
             placement.devices,
         )
@@ -677,16 +660,13 @@ class TrainLoop:
             checkpoint.n_completed_steps, checkpoint.elapsed_time
         )
         ended = time.perf_counter()
-        device += ended - mark  # the checkpoint's copy and statistics: waiting for the devices
-        compiled = self._steps.compile_seconds - compiled_before  # inside dispatches or the close
-        checkpoint.time_breakdown = self._times.add(
-            compile=compiled,
-            data=data,
-            device=max(device - compiled, 0.0),
-            caller=started - self._handed_out,
-            wall=ended - self._handed_out,
+        checkpoint.time_breakdown = self._times.close(
+            started,
+            ended,
+            data,
+            device + ended - mark,  # the checkpoint's copy and statistics: waiting for the devices
+            self._steps.compile_seconds - compiled_before,  # inside dispatches or the close
         )
-        self._handed_out = ended
         if preempted:
             self._guard.clear()
         if report is not None:

@@ -116,6 +116,27 @@ def plan(state: Any, batch: Any, programs: Iterable[Any], devices: Sequence[Any]
     return {str(device): figures for device, figures in zip(devices, by_device)}
 
 
+def dispatch_batch(sample: Any, group: int, placement: Any) -> Any:
+    r"""The shapes of one dispatch's batch (`group` stacked steps of
+    `sample`, the first batch) laid out as the steps take it."""
+    sharding = placement.stacked_batch_sharding if group > 1 else placement.batch_sharding
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(
+            (group, *np.shape(leaf)) if group > 1 else np.shape(leaf),
+            np.asarray(leaf).dtype,
+            sharding=sharding,
+        ),
+        sample,
+    )
+
+
+def fullest(memory_plan: dict[str, Any]) -> dict[str, Any]:
+    r"""The plan of the device that holds the most (the plan itself when all are alike)."""
+    if "total" in memory_plan:
+        return memory_plan
+    return max(memory_plan.values(), key=lambda figures: figures["total"])
+
+
 def device_limit(device: Any) -> int | None:
     r"""The bytes a device may allocate (`memory_stats()["bytes_limit"]` on
     GPUs and TPUs), or `None` where it does not say (CPUs)."""

@@ -19,13 +19,14 @@ They add up to `wall`, the interval's wall time; `device / wall` is the
 by queued steps while the thread waits for a slow batch shows that wait as
 `data`: the figures say what held the loop up.
 
->>> times = TimeBreakdown(setup=2.0, compile=1.5)
->>> times.add(caller=0.5, compile=0.25, data=0.25, device=3.0, wall=4.0)
+>>> times = TimeBreakdown(setup=2.0, compile=1.5, handed_out=10.0)
+>>> times.close(started=10.5, ended=14.0, data=0.25, device=3.25, compiled=0.25)
 {'compile': 0.25, 'data': 0.25, 'device': 3.0, 'caller': 0.5, 'wall': 4.0}
 >>> times.totals()["wall"], goodput(times.totals())
 (6.0, 0.5)
 """
 
+import time
 from typing import Any
 
 PARTS = ("compile", "data", "device", "caller")
@@ -39,9 +40,14 @@ class TimeBreakdown:
         setup: seconds the loop's set-up took (initialization, restoring,
             compiling the first step).
         compile: those of them spent compiling.
+        handed_out: when the caller's code started running (the end of
+            set-up; `time.perf_counter()`, now by default).
     """
 
-    def __init__(self, setup: float = 0.0, compile: float = 0.0) -> None:
+    def __init__(
+        self, setup: float = 0.0, compile: float = 0.0, handed_out: float | None = None
+    ) -> None:
+        self._handed_out = time.perf_counter() if handed_out is None else handed_out
         self._totals = {
             "setup": max(setup - compile, 0.0),
             "compile": compile,
@@ -51,9 +57,28 @@ class TimeBreakdown:
             "wall": setup,
         }
 
-    def add(self, **seconds: float) -> dict[str, float]:
-        r"""Adds an interval's seconds (`PARTS` and `wall`); returns them as a dict."""
-        interval = {part: float(seconds[part]) for part in (*PARTS, "wall")}
+    def close(
+        self, started: float, ended: float, data: float, device: float, compiled: float
+    ) -> dict[str, float]:
+        r"""Adds an interval and returns its seconds by part.
+
+        Args:
+            started: when the loop was asked for the interval (the caller's
+                code ran from the previous checkpoint until then).
+            ended: when its checkpoint was ready (handed out to the caller).
+            data: seconds the loop waited for batches.
+            device: seconds it dispatched steps and waited for the devices,
+                `compiled` included.
+            compiled: seconds it compiled, or waited for a compilation.
+        """
+        interval = {
+            "compile": compiled,
+            "data": data,
+            "device": max(device - compiled, 0.0),
+            "caller": started - self._handed_out,
+            "wall": ended - self._handed_out,
+        }
+        self._handed_out = ended
         for part, value in interval.items():
             self._totals[part] += value
         return interval
