@@ -205,13 +205,27 @@ class FailureWatcher:
                 self._stop.wait(0.05)
                 continue
             process, _, text = str(message).partition(":")
-            if process == me or self._stop.is_set():
+            if self._stop.is_set():
+                return
+            if process == me:
+                # This process failed: it goes on beating until it exits, so
+                # that process 0 waits for it instead of taking it for dead
+                # while its traceback is printed and its threads end.
+                self._beat_until_stopped(client, me, beat)
                 return
             if me == "0":
                 # This process holds the coordination service: leaving before the
                 # failed one has ended would make jax.distributed abort it.
                 self._wait_for_end(client, me, process, beats)
             _stop_this_process(f"process {process} failed, so process {me} stops too: {text}")
+
+    def _beat_until_stopped(self, client: Any, me: str, beat: int) -> None:
+        while not self._stop.wait(self._poll_ms / 1000):
+            beat += 1
+            try:
+                client.key_value_set(_ALIVE + me, str(beat), allow_overwrite=True)
+            except Exception:  # the client is shutting down
+                return
 
     @staticmethod
     def _check_peers(

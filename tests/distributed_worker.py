@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument(
         "--data-ends-at", type=int, default=0, help="the last process's stream ends there"
     )
+    parser.add_argument(
+        "--slow-exit", type=float, default=0.0, help="seconds the last process takes to exit"
+    )
     parser.add_argument("--sharding", default="replicated")
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints in --dir")
     parser.add_argument("--keep", type=int, default=1)
@@ -148,6 +151,12 @@ def main() -> None:
     )
     writer = writer_type(output_dir=args.dir, keep=args.keep) if args.dir else None
     print(f"START {loop.step}", flush=True)
+    if args.slow_exit and args.process_id == args.num_processes - 1:
+        import atexit
+
+        # Runs before flax_loop's exit handler (registered earlier): an exit
+        # held up by its threads or a loaded machine.
+        atexit.register(time.sleep, args.slow_exit)
     checkpoint = None
     for checkpoint in loop:
         if writer:

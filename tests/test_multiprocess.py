@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from flax_loop import CheckpointFileReader
+from flax_loop.distributed import SILENT_SECONDS
 from tests.helpers import assert_same_arrays, file_names, start
 
 TIMEOUT = 240
@@ -280,7 +281,10 @@ def test_a_killed_process_stops_the_other_within_seconds_naming_it(tmp_path):
 
 
 def test_a_process_whose_data_ends_early_exits_1_and_the_other_70(tmp_path):
-    results = launch(2, "--n-steps", 20, "--data-ends-at", 5, timeout=120)
+    # Its exit takes longer than a silent peer is given: it goes on beating,
+    # and process 0 waits for it.
+    slow_exit = SILENT_SECONDS + 0.5
+    results = launch(2, "--n-steps", 20, "--data-ends-at", 5, "--slow-exit", slow_exit, timeout=120)
     (code_0, output_0), (code_1, output_1) = results
     assert code_1 == 1 and "DataExhaustedError" in output_1, output_1[-3000:]
     assert code_0 == 70 and "process 1 failed" in output_0, output_0[-3000:]
