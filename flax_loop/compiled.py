@@ -20,11 +20,12 @@ import numpy as np
 
 from flax_loop.batch import Batch
 from flax_loop.initial import run_once, run_once_options
+from flax_loop.lowering import lower_update
 from flax_loop.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
 from flax_loop.parallel import Placement
 from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.state import TrainState, close_interval
-from flax_loop.step import Update, lower_update
+from flax_loop.step import Update
 
 
 def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
@@ -78,6 +79,39 @@ class _Compiling:
                 if interrupted():
                     raise KeyboardInterrupt from None
         return future.result()
+
+
+def _lower_variant(
+    lower_with: Callable[..., Any],
+    name: str,
+    state: Any,
+    key: Any,
+    plan: DispatchPlan,
+    batches: tuple[Batch, Batch | None, Batch | None],
+) -> Any:
+    r"""Lowers the plan's variant `name` from `state`; `batches` holds a
+    batch, the stacked group and the closing group (`None` if not planned)."""
+    batch, stacked, closing = batches
+    if name == MANY:
+        assert stacked is not None
+        return lower_with(state, stacked, key, n_steps=plan.steps_per_dispatch)
+    if name == MANY_LAST:
+        assert closing is not None
+        n_steps = plan.closing_steps
+        return lower_with(state, closing, key, n_steps=n_steps, with_grads=True, closing=True)
+    last = name == LAST  # it closes the interval too
+    return lower_with(state, batch, key, with_grads=last, closing=last)
+
+
+def _with_sums(
+    state: TrainState, shardings: TrainState | None, names: Any, placement: Placement
+) -> tuple[TrainState, TrainState | None]:
+    r"""The state and its shardings with a zero sum for each metric the loss reports."""
+    zeros = {name: np.zeros((), np.float32) for name in names}
+    state = state._replace(metric_sums=placement.replicate(zeros))
+    if shardings is not None:
+        shardings = shardings._replace(metric_sums={name: placement.replicated for name in names})
+    return state, shardings
 
 
 class CompiledSteps:
@@ -154,21 +188,7 @@ class CompiledSteps:
                 packing=packing,
                 grads_like=self.grads_like,
             )
-            if name == MANY:
-                assert stacked is not None
-                return lower_with(state, stacked, key, n_steps=plan.steps_per_dispatch)
-            if name == MANY_LAST:
-                assert closing is not None
-                return lower_with(
-                    state,
-                    closing,
-                    key,
-                    n_steps=plan.closing_steps,
-                    with_grads=True,
-                    closing=True,
-                )
-            last = name == LAST  # it closes the interval too
-            return lower_with(state, batch, key, with_grads=last, closing=last)
+            return _lower_variant(lower_with, name, state, key, plan, (batch, stacked, closing))
 
         def lower_first() -> Any:
             packed = state if packing is None else run_once(packing.pack, replicated, state)
@@ -186,13 +206,7 @@ class CompiledSteps:
                 mode = "shard_map"
                 packed, program = lower_first()
         except LayoutChanged as changed:  # the loss reports metrics: carry their sums
-            names = changed.state.metric_sums
-            zeros = {name: np.zeros((), np.float32) for name in names}
-            state = state._replace(metric_sums=placement.replicate(zeros))
-            if shardings is not None:
-                shardings = shardings._replace(
-                    metric_sums={name: placement.replicated for name in names}
-                )
+            state, shardings = _with_sums(state, shardings, changed.state.metric_sums, placement)
             if packing is not None:
                 packing = _packing_of(state)
             packed, program = lower_first()

@@ -30,6 +30,7 @@ from flax_loop.errors import ApplyError, ConfigError, DataExhaustedError, check_
 from flax_loop.modules import as_apply
 from flax_loop.parallel import InFlight, Placement, to_host
 from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
+from flax_loop.source import DataSource
 from flax_loop.task import EvalTask
 
 Totals = dict[str, jax.Array]
@@ -89,7 +90,7 @@ class EvalLoop:
         self._key = as_typed_key(rnkey)
         self._labels = labels_of(dict(collections or {}), "apply")
         self._placement = Placement(devices)
-        self._stream: Iterator[Any] | None = None
+        self._source: DataSource | None = None  # read on across calls with n_steps
         self._batch_size: int | None = None
         self._used_iterator = False
         self._evaluate = jax.jit(self._accumulate)
@@ -167,17 +168,14 @@ class EvalLoop:
             yield normalize_batch(raw)
 
     def _next_raw(self) -> Any:
-        if self._stream is None:
-            self._stream = iter(self._task.data)
+        r"""The next raw batch, epoch after epoch for a re-iterable source;
+        `None` at a one-shot iterator's end."""
+        if self._source is None:
+            self._source = DataSource(self._task.data)
         try:
-            return next(self._stream)
+            return self._source.next()
         except StopIteration:
-            pass
-        restarted = iter(self._task.data)
-        if restarted is self._stream:  # a one-shot iterator: it is used up
             return None
-        self._stream = restarted
-        return next(self._stream, None)
 
     def _agreed_batches(self, batches: list[Batch]) -> tuple[list[Batch], int]:
         r"""The same number of batches of the same size on every process.

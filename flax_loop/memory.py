@@ -177,3 +177,38 @@ def format_plan(figures: dict[str, Any]) -> str:
         if figures.get(part)
     )
     return f"{format_bytes(figures['total'])} a device: {shown}"
+
+
+def count_parameters(params: Any) -> tuple[int, int]:
+    r"""The number of scalars in a pytree of arrays and their total bytes.
+
+    >>> count_parameters({"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)})
+    (8, 32)
+    """
+    leaves = jax.tree.leaves(params)
+    return (
+        sum(int(leaf.size) for leaf in leaves),
+        sum(int(leaf.size) * leaf.dtype.itemsize for leaf in leaves),
+    )
+
+
+def describe_model(params: Any, n_devices: int, setup_seconds: float, trained: Any = None) -> str:
+    r"""One line on the model's size and the loop's set-up time; with
+    `trained` (the parameters that train, frozen ones `None`) how many train.
+
+    >>> describe_model({"w": np.zeros((256, 4), np.float32)}, 4, 1.5)
+    '1,024 parameters (4.0 KiB) on 4 devices; set-up 1.50 s'
+    >>> describe_model({"w": np.zeros(8), "b": np.zeros(2)}, 1, 0.5, {"w": None, "b": np.zeros(2)})
+    '10 parameters (80 B), 2 of 10 train, on 1 device; set-up 0.50 s'
+    """
+    n_params, n_bytes = count_parameters(params)
+    devices = "1 device" if n_devices == 1 else f"{n_devices} devices"
+    training = ""
+    if trained is not None:
+        n_trained, _ = count_parameters(trained)
+        if n_trained != n_params:
+            training = f", {n_trained:,} of {n_params:,} train,"
+    return (
+        f"{n_params:,} parameters ({format_bytes(n_bytes)}){training} "
+        f"on {devices}; set-up {setup_seconds:.2f} s"
+    )

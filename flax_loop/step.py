@@ -21,20 +21,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.core.scope import CollectionFilter
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from flax_loop.batch import Batch
 from flax_loop.errors import ApplyError
 from flax_loop.model import split_loss
 from flax_loop.objective import Objective, Part, StepInputs, supervised_loss
-from flax_loop.packing import LayoutChanged, Packing, on_packed
-from flax_loop.parallel import Placement, key_names
+from flax_loop.parallel import key_names
 from flax_loop.random import loss_key, step_keys
-from flax_loop.state import (
-    TrainState,
-    all_finite,
-    close_interval,
-)
+from flax_loop.state import TrainState, all_finite
 
 NONFINITE_MODES = ("raise", "skip")
 
@@ -71,23 +66,6 @@ def _check_kept(what: str, new: Any, old: Any) -> None:
             "from step to step: cast the new value in the model (value.astype(old.dtype)), "
             "or create the variable with the dtype it takes."
         )
-
-
-def _returned(gradient: jax.Array) -> jax.Array:
-    r"""The gradient as the closing step returns it: the same bits, computed
-    by an elementwise op of its own.
-
-    A gradient the program returns as it is must be written out whole where
-    it is computed, and XLA then fuses its producers otherwise than in a
-    step that only applies it: with a gradient summed over several paths (a
-    loss calling the model twice, tied weights) the updates differed in the
-    last bits (tests/test_cadence.py, "general"). Read by a fusion of its
-    own, the gradient's producers stay as every other step has them.
-    `copysign(abs(g), g)` is `g` for every value, infinities and NaNs too.
-    """
-    if not jnp.issubdtype(gradient.dtype, jnp.inexact):
-        return gradient
-    return jnp.copysign(jnp.abs(gradient), gradient)
 
 
 def _keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -327,142 +305,3 @@ def build_step(
         return new_state, (loss_value.astype(jnp.float32), grads)
 
     return update
-
-
-UPDATE_MODES = ("jit", "shard_map", "gspmd")
-
-
-def lower_update(
-    update: Update,
-    placement: Placement,
-    state: TrainState,
-    batch: Batch,
-    key: jax.Array,
-    n_steps: int = 1,
-    with_grads: bool = False,
-    mode: str = "jit",
-    shardings: TrainState | None = None,
-    closing: bool = False,
-    packing: Packing | None = None,
-    grads_like: Callable[[Any], Any] | None = None,
-) -> jax.stages.Lowered:
-    r"""Lowers the update for the placement, donating the state: the program
-    to compile (tracing errors of the model or the loss are raised here).
-
-    Args:
-        update: the per-device update from `build_update`.
-        placement: the devices to run on.
-        state: the state (used for its shapes and layout).
-        batch: a batch (used for its shapes and layout); with `n_steps > 1`,
-            `n_steps` batches stacked along a new leading axis.
-        key: the replicated key.
-        n_steps: steps per call; more than one runs them in a `jax.lax.scan`
-            over the stacked batches, returning every step's loss.
-        with_grads: whether the call also returns the (last step's) gradients
-            (with `n_steps > 1`, only with `closing`).
-        mode: how the update runs over the devices: `"jit"` (one device, no
-            collectives; `shard_map` costs ~11% there), `"shard_map"` (a
-            replicated state: the per-device update runs on every device,
-            binding the placement's batch axis), or `"gspmd"` (a sharded state: an update
-            built with `shards` runs as one program over the whole batch,
-            XLA placing the collectives the state's shardings need).
-        shardings: the state's `NamedSharding` objects (`"gspmd"`; replicated otherwise).
-        closing: (with `with_grads`) the interval's last step: it also closes
-            the interval (`close_interval`: its statistics, its sums reset),
-            in the same program, so a checkpoint costs no further dispatch.
-            With `n_steps > 1`, the scan runs all steps but the last, which
-            runs as the single closing step does.
-        packing: the layout the state is packed in (`state` is then the
-            packed state, taken and returned so), or `None`.
-        grads_like: maps a tree shaped as the parameters to one shaped as
-            the gradients (`Objective.grads_like`: trainable parts, several
-            optimizers'); the parameters' shape by default.
-
-    Returns:
-        the lowered `update(state, batch, key) -> (state, loss)`, or
-        `-> (state, loss, grads)` with `with_grads`, `-> (state, loss, grads,
-        statistics)` with `closing` too (`loss` the vector of every step's
-        loss with `n_steps > 1`); compiled, it accepts only arrays of these
-        shapes.
-
-    Raises:
-        LayoutChanged: (while tracing) if the step returns a state of another
-            structure than `state` (sums of metrics the loss reports): lower
-            again from a state that has them.
-    """
-    assert packing is None or mode != "gspmd", "a sharded state is never packed"
-    stacked = n_steps > 1
-    assert not stacked or with_grads == closing, "several steps return gradients only to close"
-
-    def one_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
-        new_state, outputs = update(state, batch, key)
-        if jax.tree.structure(new_state) != jax.tree.structure(state):  # type: ignore[operator]
-            raise LayoutChanged(new_state)
-        return new_state, outputs
-
-    def scanned_steps(state: Any, batches: Batch, key: jax.Array) -> Any:
-        def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
-            state, (loss, _) = one_step(state, batch, key)
-            return state, loss
-
-        # The scan carries the state packed, as the single step does: the
-        # slices and the concatenation then fuse into the update's own loops
-        # (unpacked before the scan, they were copies of their own each call).
-        return jax.lax.scan(on_packed(body, packing), state, batches)  # every step's loss
-
-    def single_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
-        state, (loss, grads) = one_step(state, batch, key)
-        if with_grads:
-            grads = jax.tree.map(_returned, grads)
-        if closing:
-            state, statistics = close_interval(state, grads)
-            return state, loss, grads, statistics
-        return (state, loss, grads) if with_grads else (state, loss)
-
-    def closing_steps(state: Any, batches: Batch, key: jax.Array) -> Any:
-        # The interval's last step computes what it computes alone (its
-        # gradients materialized as in every step), after a scan of the others.
-        head, tail = (
-            jax.tree.map(lambda leaf: leaf[:-1], batches),
-            jax.tree.map(lambda leaf: leaf[-1], batches),
-        )
-        barrier = jax.lax.optimization_barrier
-        state, head = barrier((state, head))
-        state, losses = scanned_steps(state, head, key)
-        state, tail = barrier((state, tail))
-        state, loss, grads, statistics = on_packed(single_step, packing)(state, tail, key)
-        return state, jnp.concatenate([losses, loss[None]]), grads, statistics
-
-    if stacked:
-        steps = closing_steps if closing else scanned_steps
-    else:
-        steps = on_packed(single_step, packing)
-    replicated = placement.replicated
-    if mode == "shard_map":
-        # check_vma=False keeps pmap's semantics: per-device gradients, then an
-        # explicit pmean. With the default, differentiating w.r.t. replicated
-        # parameters already sums over the axis and the update is N times too
-        # large (tests/test_loop.py compares 4 devices with 1 under plain SGD).
-        axis = placement.batch_axis
-        batch_spec = PartitionSpec(None, axis) if stacked else PartitionSpec(axis)
-        steps = jax.shard_map(
-            steps,
-            mesh=placement.mesh,
-            in_specs=(PartitionSpec(), batch_spec, PartitionSpec()),
-            out_specs=PartitionSpec(),
-            check_vma=False,
-        )
-    if mode != "gspmd" or shardings is None:
-        jitted = jax.jit(steps, donate_argnums=0, out_shardings=replicated)
-    else:
-        batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
-        grads_shardings = (grads_like or (lambda tree: tree))(shardings.model_params)
-        outputs = (shardings, replicated, grads_shardings, replicated)
-        n_outputs = 4 if closing else 3 if with_grads else 2
-        jitted = jax.jit(
-            steps,
-            donate_argnums=0,
-            in_shardings=(shardings, batch_sharding, replicated),
-            out_shardings=outputs[:n_outputs],
-        )
-    return jitted.lower(state, batch, key)

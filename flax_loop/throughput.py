@@ -125,6 +125,22 @@ class Throughput:
         self.flops_per_step: float | None = None
         r"""the FLOPs of one step over every device, once read."""
 
+    @property
+    def peak_flops(self) -> float | None:
+        r"""one device's peak FLOP/s, or `None` when unknown."""
+        return self._peak_flops
+
+    @peak_flops.setter
+    def peak_flops(self, value: float | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        ):
+            raise ConfigError(
+                f"peak_flops must be one device's peak FLOP/s, a positive number such as "
+                f"989e12, or None; got {value!r}."
+            )
+        self._peak_flops = value
+
     @classmethod
     def of(
         cls,

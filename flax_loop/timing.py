@@ -95,6 +95,11 @@ def goodput(breakdown: dict[str, Any]) -> float:
     return float(breakdown.get("device", 0.0)) / wall if wall > 0 else float("nan")
 
 
+def done_line(step: int, totals: dict[str, Any]) -> str:
+    r"""The closing line of a run trained to its last step: where the time went."""
+    return f"{step:,} steps in {float(totals['wall']):.1f} s: {describe(totals)}."
+
+
 def describe(breakdown: dict[str, Any]) -> str:
     r"""One line of where the time went, as shares of the wall time.
 

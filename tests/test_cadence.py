@@ -108,14 +108,20 @@ def runs_of(n_devices, sharding, form, every_run):
     return RUNS
 
 
+SLOW = pytest.mark.skipif(
+    not os.environ.get("FLAX_LOOP_SLOW"),
+    reason="FLAX_LOOP_SLOW=1: the general form on 1 device and the loss on 4 cover it",
+)
+
+
 @pytest.mark.parametrize(
     "n_devices, sharding, form",
     [
-        (1, "replicated", "loss"),
+        pytest.param(1, "replicated", "loss", marks=SLOW),
         (4, "replicated", "loss"),
         (4, "fsdp", "loss"),
         (1, "replicated", "general"),
-        (4, "fsdp", "general"),
+        pytest.param(4, "fsdp", "general", marks=SLOW),
     ],
 )
 def test_params_are_bitwise_the_same_for_any_cadence_and_dispatch(n_devices, sharding, form):

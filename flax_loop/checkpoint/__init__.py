@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from flax_loop.checkpoint._orbax import (
         HighestOrbaxCheckpointWriter,
         LowestOrbaxCheckpointWriter,
-        OrbaxCheckpointReader,
         OrbaxCheckpointWriter,
     )
+    from flax_loop.checkpoint._orbax_reader import OrbaxCheckpointReader
     from flax_loop.checkpoint._reader import CheckpointFileReader
     from flax_loop.checkpoint._saved import Saved, SavedState
     from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
@@ -48,7 +48,7 @@ _HOMES = {
     "read_contents": "flax_loop.checkpoint._inventory",
     "HighestOrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
     "LowestOrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
-    "OrbaxCheckpointReader": "flax_loop.checkpoint._orbax",
+    "OrbaxCheckpointReader": "flax_loop.checkpoint._orbax_reader",
     "OrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
     "CheckpointFileReader": "flax_loop.checkpoint._reader",
     "Saved": "flax_loop.checkpoint._saved",

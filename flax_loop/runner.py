@@ -1,0 +1,287 @@
+r"""`Runner`: a set-up run's live state and the dispatch loop of one interval.
+
+`TrainLoop` decides where an interval ends (the cadence, `n_steps`, the
+caller's target); the runner trains up to there and returns the interval's
+`Checkpoint`. Each dispatch is what the `DispatchPlan` groups and the feed
+takes; the program that runs it is the one the plan names. What the step
+that ended the interval returned goes to `Intervals.close`, which builds the
+checkpoint; throughput and the time breakdown are added to it here.
+
+Set-up (`flax_loop.assemble`) builds the runner; nothing below calls back
+into the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from flax_loop import distributed, memory
+from flax_loop.checkpoint import Checkpoint, Saved
+from flax_loop.compiled import CompiledSteps
+from flax_loop.errors import DataExhaustedError, StateLostError
+from flax_loop.feed import BatchFeed
+from flax_loop.interval import Intervals
+from flax_loop.log import log
+from flax_loop.parallel import InFlight, Placement
+from flax_loop.plan import DispatchPlan
+from flax_loop.preemption import PreemptionGuard
+from flax_loop.profiling import ProfileSteps
+from flax_loop.progress import ProgressReport
+from flax_loop.throughput import Throughput
+from flax_loop.timing import TimeBreakdown, done_line
+
+
+class Runner:
+    r"""Trains a set-up run interval by interval.
+
+    Args:
+        state: the state the first step takes, on the devices.
+        step: the number of completed steps.
+        train_key: what the steps take beside the state: the run's key on
+            the devices (with the frozen models, `StepInputs`).
+        steps: the compiled variants.
+        feed: the batches.
+        plan: the dispatches of an interval.
+        intervals: the interval closer.
+        placement: the devices.
+        guard: the signals that ask for a stop.
+        throughput: the rates added to each checkpoint.
+        times: where the time went.
+        stdout: whether to print notes.
+        report: the progress bar, if shown.
+        profile: the window of steps traced, if any.
+    """
+
+    def __init__(
+        self,
+        state: Any,
+        step: int,
+        train_key: Any,
+        steps: CompiledSteps,
+        feed: BatchFeed,
+        plan: DispatchPlan,
+        intervals: Intervals,
+        placement: Placement,
+        guard: PreemptionGuard,
+        throughput: Throughput,
+        times: TimeBreakdown,
+        stdout: bool,
+        report: ProgressReport | None,
+        profile: ProfileSteps | None,
+    ) -> None:
+        self.state = state
+        self.step = step
+        self.train_key = train_key
+        self.steps = steps
+        self.feed = feed
+        self.plan = plan
+        self.intervals = intervals
+        self.placement = placement
+        self.guard = guard
+        self.throughput = throughput
+        self.times = times
+        self.stdout = stdout
+        self.report = report
+        self.profile = profile
+        self.lost: str | None = None  # why the run cannot go on (an interrupt)
+        self.n_steps = 0
+        r"""the total number of steps the run trains to (`TrainLoop.n_steps`)."""
+
+    def follow(self, every: int) -> None:
+        r"""Plans the next intervals with `every` steps (a changed cadence)."""
+        self.plan = DispatchPlan(every, self.plan.steps_per_dispatch)
+        self.steps.follow(self.plan)
+
+    def memory_plan(self) -> dict[str, Any]:
+        r"""The bytes each device holds while training (`flax_loop.memory.plan`)."""
+        shapes = self.steps.state_shapes
+        return memory.plan(
+            {name: getattr(shapes, name) for name in Saved.ARRAYS},
+            memory.dispatch_batch(self.feed.sample, self.plan.steps_per_dispatch, self.placement),
+            self.steps.programs.values(),
+            self.placement.devices,
+        )
+
+    @contextlib.contextmanager
+    def training(self, last_step: int) -> Iterator[None]:
+        r"""While training up to `last_step`: signals become stop requests,
+        failures reach the other processes, and the progress report shows."""
+        if self.lost is not None:
+            raise StateLostError(self.lost)
+        self.guard.install()
+        try:
+            # a reading thread reads meanwhile, never past the last step trained
+            self.feed.resume(self.step + 1, max(last_step, self.n_steps))
+            with distributed.failing_together():
+                yield
+        except KeyboardInterrupt:
+            self.guard.clear()  # the interrupt ends this call; the next one trains on
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state)):
+                self.lost = (
+                    f"An interrupt at step {self.step} came while the loop's state was "
+                    "handed from one step to the next, and that state is gone: this "
+                    "loop cannot go on. Make a new TrainLoop that resumes from the last "
+                    "checkpoint written (init=CheckpointFileReader(dir=...))."
+                )
+            raise
+        finally:
+            self.feed.pause()  # no thread reads on after a call (nor is waited for)
+            self.guard.uninstall()
+            if self.profile is not None:
+                self.profile.finish()  # never leave a trace running
+            if self.report is not None:
+                self.report.stop()
+
+    def run(self, target: int | None) -> Iterator[Checkpoint]:
+        r"""Yields the checkpoints up to step `target` (`None`: up to
+        `n_steps`, read again after each checkpoint)."""
+        with self.training(self.n_steps if target is None else target):
+            stop = self.n_steps if target is None else target
+            if self.step >= stop:
+                log(
+                    f"Nothing to train: the loop is at step {self.step} and trains to "
+                    f"step {stop} (n_steps is the total, counted from step 0).",
+                    stdout=self.stdout,
+                )
+            while self.step < (self.n_steps if target is None else target):
+                stop = self.n_steps if target is None else target
+                checkpoint = self.interval(self.boundary(stop), total=stop)
+                if checkpoint is None:
+                    log(
+                        f"The data stream ended at step {self.step} of {stop}: training "
+                        "stops there. Give task.data a re-iterable source (a list, a "
+                        "DataLoader, a grain dataset) to read it epoch after epoch.",
+                        stdout=self.stdout,
+                    )
+                    return
+                yield checkpoint
+                if checkpoint.preempted:
+                    return
+            if target is None and self.step >= self.n_steps:  # the run's closing line
+                log(
+                    done_line(self.step, self.times.totals()),
+                    self.stdout,
+                    lead="Done:",
+                    style="bold",
+                )
+
+    def run_alone(self, boundary: int) -> Checkpoint:
+        r"""Runs to `boundary` and returns its checkpoint (a `DataExhaustedError`
+        if the stream has no batch left)."""
+        with self.training(boundary):
+            checkpoint = self.interval(boundary, total=boundary)
+        if checkpoint is None:
+            raise DataExhaustedError(
+                f"The data stream has no batch left after step {self.step}; "
+                "give the task a longer or re-iterable source."
+            )
+        return checkpoint
+
+    def boundary(self, target: int | None) -> int:
+        r"""Where the interval from this step ends: the next multiple of the
+        cadence, or `target` if it comes first."""
+        every = self.plan.every
+        boundary = (self.step // every + 1) * every
+        return boundary if target is None else min(boundary, target)
+
+    def interval(self, boundary: int, total: int) -> Checkpoint | None:
+        r"""Runs steps up to `boundary` (of a run to `total`): its checkpoint,
+        or `None` if the stream had no batch left. A stop request, even one
+        made before the interval started, ends it after the step in flight."""
+        guard = self.guard
+        # A second Ctrl-C is raised between steps, never inside one (preemption.py).
+        guard.defer = not self.placement.multiprocess
+        try:
+            return self._train(boundary, total)
+        finally:
+            guard.defer = False
+
+    def _train(self, boundary: int, total: int) -> Checkpoint | None:
+        report = self.report
+        if report is not None and not report.active:
+            report.start(self.step, total)
+        started = mark = time.perf_counter()
+        compiled_before = self.steps.compile_seconds
+        data = device = 0.0  # seconds waiting for batches, dispatching (timing.py)
+        # The per-step path reads locals only: each attribute lookup or call
+        # here is a measurable part of a small model's step.
+        programs, take, group = self.steps.programs, self.feed.take, self.plan.group
+        perf_counter = time.perf_counter
+        key, guard, intervals, profile = self.train_key, self.guard, self.intervals, self.profile
+        # every step's loss, read at the checkpoint
+        note_loss, note_losses = intervals.losses.append, intervals.losses.extend
+        queue = InFlight(self.placement.dispatch_depth)
+        # Several processes must stop at the same step: they agree on it at
+        # the checkpoint, never between steps.
+        may_stop = not self.placement.multiprocess
+        loss: Any = None
+        ending = None  # what the step that ends the interval returns
+        step = self.step
+        while step < boundary:
+            remaining = boundary - step
+            dispatch = take(group(remaining), remaining, may_stop and guard.requested, step + 1)
+            taken = perf_counter()
+            data += taken - mark
+            if dispatch is None:
+                break
+            batch, n_steps, variant, last = dispatch
+            traced = profile is not None and profile.wants(step + 1, step + n_steps)
+            if traced:
+                profile.begin()  # type: ignore[union-attr]
+                annotation = profile.annotate(step + 1)  # type: ignore[union-attr]
+                annotation.__enter__()
+            try:
+                result = programs[variant](self.state, batch, key)
+            except KeyboardInterrupt:  # raised before it ran: waiting for its compilation
+                self.feed.untake()
+                raise
+            self.state, loss = result[0], result[1]
+            if traced:
+                annotation.__exit__(None, None, None)
+                profile.record(step + 1, step + n_steps, loss)  # type: ignore[union-attr]
+            self.step = step = step + n_steps
+            if n_steps > 1:
+                note_losses(loss)
+            else:
+                note_loss(loss)
+            queue.push(loss)
+            if report is not None:
+                report.advance(step)
+            mark = perf_counter()
+            device += mark - taken
+            if last:
+                ending = result
+                break
+        if guard.interrupted:  # a second Ctrl-C: the state is whole here
+            raise KeyboardInterrupt
+        # whether any process was asked to stop (processes agree on it)
+        preempted = (
+            any(distributed.gather(int(guard.requested))) if not may_stop else guard.requested
+        )
+        if step == intervals.start and not preempted:
+            return None
+        self.state, checkpoint = intervals.close(self.state, step, loss, ending, started, preempted)
+        self.throughput.read_flops(self.steps.programs)
+        checkpoint.throughput = self.throughput.measure(
+            checkpoint.n_completed_steps, checkpoint.elapsed_time
+        )
+        ended = time.perf_counter()
+        checkpoint.time_breakdown = self.times.close(
+            started,
+            ended,
+            data,
+            device + ended - mark,  # the checkpoint's copy and statistics: waiting for the devices
+            self.steps.compile_seconds - compiled_before,  # inside dispatches or the close
+        )
+        if preempted:
+            guard.clear()
+        if report is not None:
+            metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}
+            loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss
+            report.checkpoint(step, loss, metrics)
+        return checkpoint
