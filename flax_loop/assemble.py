@@ -173,7 +173,10 @@ def assemble(
     init_fn, reader = as_reader(init)
     signals = options.preemption_signals
     guard = PreemptionGuard(DEFAULT_SIGNALS if signals is None else signals)
-    report = ProgressReport(console()) if options.progress and is_main_process() else None
+    report = None
+    if options.progress and is_main_process():
+        report = ProgressReport(console(), guard.notice)
+        guard.quiet = report.live  # the bar shows a stop request in its line
     placement = Placement(devices, options.mesh, options.batch_axis)
     plan = DispatchPlan(every, options.steps_per_dispatch)
     apply_labels = labels_of(collections, "apply")

@@ -128,6 +128,7 @@ def report_error(error: BaseException) -> None:
     client = _client() if is_multiprocess() else None
     if client is None:
         return
+    _follow_earlier_failure(client)
     text = f"{type(error).__name__}: {error}"
     # Said here first: once the others stop, jax.distributed may abort this
     # process (its coordinator is gone) before the traceback is printed.
@@ -139,6 +140,23 @@ def report_error(error: BaseException) -> None:
     except Exception:  # already set by another process: theirs is reported
         pass
     _note_uncaught()
+
+
+def _follow_earlier_failure(client: Any) -> None:
+    r"""Ends this process as its watcher would if another process failed
+    first: this process's error (a collective cut off as the failed process
+    left) is then a consequence, and the first failure is the one named."""
+    try:
+        first = client.key_value_try_get(_ERROR_KEY)
+    except Exception:  # none posted
+        return
+    process, _, text = str(first).partition(":")
+    me = str(jax.process_index())
+    if process == me:
+        return
+    if me == "0" and _watcher is not None:  # it holds the coordination service
+        _watcher.wait_for_end(client, me, process)
+    _stop_this_process(f"process {process} failed, so process {me} stops too: {text}")
 
 
 def _note_uncaught() -> None:
@@ -216,7 +234,7 @@ class FailureWatcher:
             if me == "0":
                 # This process holds the coordination service: leaving before the
                 # failed one has ended would make jax.distributed abort it.
-                self._wait_for_end(client, me, process, beats)
+                self.wait_for_end(client, me, process, beats)
             _stop_this_process(f"process {process} failed, so process {me} stops too: {text}")
 
     def _beat_until_stopped(self, client: Any, me: str, beat: int) -> None:
@@ -250,11 +268,16 @@ class FailureWatcher:
                 return peer
         return None
 
-    def _wait_for_end(
-        self, client: Any, me: str, process: str, beats: dict[str, tuple[str, float]]
+    def wait_for_end(
+        self,
+        client: Any,
+        me: str,
+        process: str,
+        beats: dict[str, tuple[str, float]] | None = None,
     ) -> None:
         r"""Waits until `process` says it ends, goes silent, or a minute passes
         (its exit may first wait for its threads: a compilation, a write)."""
+        beats = {} if beats is None else beats
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

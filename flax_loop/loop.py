@@ -20,6 +20,7 @@ In a notebook, `loop.next_checkpoint()` runs to the next multiple (or to
 
 from __future__ import annotations  # help(TrainLoop) shows the short type names
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from flax_loop.compiled import CompiledSteps
 from flax_loop.errors import ConfigError, check_count
 from flax_loop.initial import InitFn, Reader
 from flax_loop.parallel import DATA_AXIS
+from flax_loop.preemption import quiet_interrupt
 from flax_loop.profiling import ProfileSteps
 from flax_loop.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding
 from flax_loop.task import TrainTask
@@ -161,7 +163,7 @@ class TrainLoop:
         profile: ProfileSteps | None = None,
         prefetch: int | None = None,
     ) -> None:
-        with distributed.failing_together():
+        with distributed.failing_together(), _interrupted_during_set_up():
             n_steps = check_count("n_steps", n_steps, 0, MAX_STEPS)
             every = check_count("n_steps_per_checkpoint", n_steps_per_checkpoint, 1, MAX_STEPS)
             options = Options(
@@ -297,3 +299,12 @@ class TrainLoop:
         `n_steps`; the loop's own `n_steps` target is left as it is.
         """
         return self._runner.run(target=check_count("n_steps", n_steps, 0, MAX_STEPS))
+
+
+@contextlib.contextmanager
+def _interrupted_during_set_up() -> Iterator[None]:
+    try:
+        yield
+    except KeyboardInterrupt as error:
+        quiet_interrupt(error, "interrupted during set-up (reading, initializing or compiling).")
+        raise

@@ -116,6 +116,20 @@ def plan(state: Any, batch: Any, programs: Iterable[Any], devices: Sequence[Any]
     return {str(device): figures for device, figures in zip(devices, by_device)}
 
 
+def plan_of(
+    steps: Any, feed: Any, steps_per_dispatch: int, placement: Any, fields: Sequence[str]
+) -> dict[str, Any]:
+    r"""The `plan` of a set-up run: its `CompiledSteps`, `BatchFeed` and
+    `Placement`; `fields`, the saved state's array fields."""
+    shapes = steps.state_shapes
+    return plan(
+        {name: getattr(shapes, name) for name in fields},
+        dispatch_batch(feed.sample, steps_per_dispatch, placement),
+        steps.programs.values(),
+        placement.devices,
+    )
+
+
 def dispatch_batch(sample: Any, group: int, placement: Any) -> Any:
     r"""The shapes of one dispatch's batch (`group` stacked steps of
     `sample`, the first batch) laid out as the steps take it."""

@@ -19,12 +19,19 @@ get there within `DEFER_SECONDS`, it is raised wherever the program is.
 import _thread
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+AT_ONCE = (
+    "stopped at once by a second Ctrl-C: the steps since the last checkpoint written "
+    "are in no file. Run again to resume from that checkpoint."
+)
+r"""The closing line of a second Ctrl-C outside the loop's steps."""
 
 DEFER_SECONDS = 1.0
 r"""How long a deferred `KeyboardInterrupt` waits for the loop to raise it."""
@@ -48,6 +55,9 @@ class PreemptionGuard:
         r"""set by the loop while a `KeyboardInterrupt` would cut a step in two."""
         self.interrupted = False
         r"""whether a second SIGINT came while deferred: the loop raises it."""
+        self.quiet = False
+        r"""set while a progress bar shows the request (`notice`): the handler
+        then writes nothing into the bar's line."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "PreemptionGuard":
@@ -93,14 +103,58 @@ class PreemptionGuard:
                     self.interrupted = True
                     threading.Timer(DEFER_SECONDS, self._interrupt_if_pending).start()
                     return
-                raise KeyboardInterrupt
+                raise quiet_interrupt(KeyboardInterrupt(), AT_ONCE)
             signal.raise_signal(number)
             return
         self.requested, self.signal = True, number
-        # os.write, not print: a signal handler may interrupt a print.
+        if not self.quiet:
+            # os.write, not print: a signal handler may interrupt a print.
+            os.write(2, f"flax_loop: {self.notice()}.\n".encode())
+
+    def notice(self) -> str:
+        r"""What a stop request does, for the console; `""` when none was made.
+
+        >>> guard = PreemptionGuard()
+        >>> guard.notice(), guard._handle(signal.SIGTERM, None), guard.notice()
+        ('', None, 'stopping after this step (SIGTERM received)')
+        """
+        if not self.requested or self.signal is None:
+            return ""
         what = (
             "press Ctrl-C again to stop at once"
-            if number == signal.SIGINT
-            else f"{signal.Signals(number).name} received"
+            if self.signal == signal.SIGINT
+            else f"{signal.Signals(self.signal).name} received"
         )
-        os.write(2, f"flax_loop: stopping after this step ({what}).\n".encode())
+        return f"stopping after this step ({what})"
+
+    @property
+    def name(self) -> str:
+        r"""the signal that asked for the stop, as a user knows it (`Ctrl-C`)."""
+        if self.signal is None:
+            return ""
+        return "Ctrl-C" if self.signal == signal.SIGINT else signal.Signals(self.signal).name
+
+
+def quiet_interrupt(error: KeyboardInterrupt, message: str) -> KeyboardInterrupt:
+    r"""Makes `error` end the program with `message` instead of a traceback.
+
+    A `KeyboardInterrupt` the user asked for (a second Ctrl-C, Ctrl-C during
+    set-up) is not a bug: uncaught, it prints `flax_loop: <message>` and
+    `KeyboardInterrupt`, and the process exits as Python's would (status
+    130 on POSIX shells). Caught, it is an ordinary `KeyboardInterrupt`.
+    """
+    error.flax_loop_message = message  # type: ignore[attr-defined]
+    previous = sys.excepthook
+    if not getattr(previous, "_flax_loop_interrupts", False):
+
+        def hook(kind: Any, value: Any, traceback: Any) -> None:
+            message = getattr(value, "flax_loop_message", None)
+            if kind is KeyboardInterrupt and message is not None:
+                sys.stderr.write(f"flax_loop: {message}\nKeyboardInterrupt\n")
+                sys.stderr.flush()
+                return
+            previous(kind, value, traceback)
+
+        hook._flax_loop_interrupts = True  # type: ignore[attr-defined]
+        sys.excepthook = hook
+    return error

@@ -6,6 +6,7 @@ latest checkpoint's interval means. Only process 0 shows it.
 """
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from rich.console import Console
@@ -13,11 +14,14 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 BAR_REFRESH_SECONDS = 0.25
 LINE_REFRESH_SECONDS = 30.0
@@ -37,8 +41,9 @@ class ProgressReport:
     ('step 100/1000', 'loss 0.12 accuracy 0.9\n')
     """
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, notice: Callable[[], str] | None = None) -> None:
         self._console = console
+        self._notice = notice or (lambda: "")
         self._live = console.is_terminal or console.is_jupyter
         self._bar: Progress | None = None
         self._task: TaskID | None = None
@@ -48,6 +53,11 @@ class ProgressReport:
         self._started_at = 0.0
         self._started_step = 0
         self._next_refresh = 0.0
+
+    @property
+    def live(self) -> bool:
+        r"""whether the report draws a bar (a terminal, Jupyter), not lines."""
+        return self._live
 
     @property
     def active(self) -> bool:
@@ -67,8 +77,9 @@ class ProgressReport:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"),
                 TimeElapsedColumn(),
-                TimeRemainingColumn(),
+                _Remaining(self._notice),
                 TextColumn("{task.fields[loss]}"),
+                _Notice(self._notice),
                 console=self._console,
                 refresh_per_second=4,
             )
@@ -126,3 +137,29 @@ class ProgressReport:
         if self._bar is not None:
             self._bar.stop()
         self._bar, self._task, self._started_at = None, None, 0.0
+
+
+class _Notice(ProgressColumn):
+    r"""The stop request, shown in the bar's line as soon as it is made
+    (the bar redraws on its own thread)."""
+
+    def __init__(self, notice: Callable[[], str]) -> None:
+        super().__init__()
+        self._notice = notice
+
+    def render(self, task: Task) -> Text:
+        return Text(self._notice(), style="bold yellow")
+
+
+class _Remaining(TimeRemainingColumn):
+    r"""The time remaining, blank once a stop was requested (the run will not
+    reach its total)."""
+
+    def __init__(self, notice: Callable[[], str]) -> None:
+        super().__init__()
+        self._notice = notice
+
+    def render(self, task: Task) -> Text:
+        if self._notice():
+            return Text("")
+        return super().render(task)

@@ -29,11 +29,24 @@ from flax_loop.interval import Intervals
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
 from flax_loop.plan import DispatchPlan
-from flax_loop.preemption import PreemptionGuard
+from flax_loop.preemption import PreemptionGuard, quiet_interrupt
 from flax_loop.profiling import ProfileSteps
 from flax_loop.progress import ProgressReport
 from flax_loop.throughput import Throughput
 from flax_loop.timing import TimeBreakdown, done_line
+
+INTERRUPTED = (
+    "interrupted at step {step:,}: the steps since the last checkpoint written are in "
+    "no file. Run again to resume from that checkpoint (init=CheckpointFileReader(dir=...)); "
+    "in a notebook, this loop goes on (loop.next_checkpoint())."
+)
+r"""The closing line of a second Ctrl-C (printed instead of a traceback)."""
+
+STOPPED = (
+    "at step {step:,} ({why}), after its checkpoint. Run again to resume from the last "
+    "checkpoint written (init=CheckpointFileReader(dir=...))."
+)
+r"""The closing line of a run stopped by a signal."""
 
 
 class Runner:
@@ -89,6 +102,7 @@ class Runner:
         self.report = report
         self.profile = profile
         self.lost: str | None = None  # why the run cannot go on (an interrupt)
+        self.stopped_by = ""  # what asked for the last stop (Ctrl-C, SIGTERM)
         self.n_steps = 0
         r"""the total number of steps the run trains to (`TrainLoop.n_steps`)."""
 
@@ -99,13 +113,8 @@ class Runner:
 
     def memory_plan(self) -> dict[str, Any]:
         r"""The bytes each device holds while training (`flax_loop.memory.plan`)."""
-        shapes = self.steps.state_shapes
-        return memory.plan(
-            {name: getattr(shapes, name) for name in Saved.ARRAYS},
-            memory.dispatch_batch(self.feed.sample, self.plan.steps_per_dispatch, self.placement),
-            self.steps.programs.values(),
-            self.placement.devices,
-        )
+        per_dispatch, fields = self.plan.steps_per_dispatch, Saved.ARRAYS
+        return memory.plan_of(self.steps, self.feed, per_dispatch, self.placement, fields)
 
     @contextlib.contextmanager
     def training(self, last_step: int) -> Iterator[None]:
@@ -119,7 +128,7 @@ class Runner:
             self.feed.resume(self.step + 1, max(last_step, self.n_steps))
             with distributed.failing_together():
                 yield
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as error:
             self.guard.clear()  # the interrupt ends this call; the next one trains on
             if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state)):
                 self.lost = (
@@ -128,6 +137,7 @@ class Runner:
                     "loop cannot go on. Make a new TrainLoop that resumes from the last "
                     "checkpoint written (init=CheckpointFileReader(dir=...))."
                 )
+            quiet_interrupt(error, self.lost or INTERRUPTED.format(step=self.step))
             raise
         finally:
             self.feed.pause()  # no thread reads on after a call (nor is waited for)
@@ -161,6 +171,8 @@ class Runner:
                     return
                 yield checkpoint
                 if checkpoint.preempted:
+                    message = STOPPED.format(step=self.step, why=self.stopped_by)
+                    log(message, self.stdout, lead="Stopped:", style="bold yellow")
                     return
             if target is None and self.step >= self.n_steps:  # the run's closing line
                 log(
@@ -279,6 +291,7 @@ class Runner:
             self.steps.compile_seconds - compiled_before,  # inside dispatches or the close
         )
         if preempted:
+            self.stopped_by = guard.name or "another process was asked to stop"
             guard.clear()
         if report is not None:
             metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}

@@ -40,7 +40,7 @@ def test_no_device_to_host_read_between_checkpoints(spy, n_devices, steps_per_di
         progress=True,
         steps_per_dispatch=steps_per_dispatch,
     )
-    intervals = loop._intervals  # the one place allowed to read the devices
+    intervals = loop._runner.intervals  # the one place allowed to read the devices
     make_checkpoint = intervals.close
 
     def checkpoint_allowed(*args):

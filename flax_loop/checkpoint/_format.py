@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 
 from flax_loop.checkpoint._checksums import Checksums
+from flax_loop.checkpoint._names import array_names
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
 
 FORMAT_NAME = "flax_loop.checkpoint"
@@ -193,9 +194,10 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
             )
         entries = list(_entries(path, footer))
         _check_layout(path, entries, data_end)
+        names = array_names(footer.get("tree"))
         with Checksums() as checksums:
             arrays = [
-                _read_array(stream, path, i, entry, data_end, checksums)
+                _read_array(stream, path, names.get(i, str(i)), entry, data_end, checksums)
                 for i, entry in enumerate(entries)
             ]
 
@@ -318,7 +320,7 @@ def _entries(path: str, footer: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def _read_array(
     stream: BinaryIO,
     path: str,
-    index: int,
+    index: str,
     entry: dict[str, Any],
     data_end: int,
     checksums: Checksums,

@@ -1,12 +1,16 @@
-r"""What a listing of checkpoint files reads without JAX: the files' names
-and the record of the frozen parameters a file left out.
+r"""What a listing of checkpoint files reads without JAX: the files' names,
+the record of the frozen parameters a file left out, and the arrays' names
+in a file's footer.
 
 `flax-loop ls`, `verify` and `show` import this, `_format` and `_inventory`
 only, so that they start without loading JAX.
 """
 
+import struct
 from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 SUFFIX = ".ckpt"
 TEMPORARY_PREFIX = ".tmp."
@@ -31,3 +35,22 @@ class LeftOut:
         if not isinstance(meta, dict):
             return None
         return cls(tuple(str(path) for path in meta.get("paths", ())), str(meta.get("digest")))
+
+
+def array_names(tree: Any) -> dict[int, str]:
+    r"""Each array's path in the footer's tree (`model_params/Dense_0/kernel`),
+    by its index; arrays a damaged tree does not name are left out."""
+    names: dict[int, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, msgpack.ExtType) and len(node.data) == 4:
+            names.setdefault(struct.unpack("<I", node.data)[0], prefix)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}/{key}" if prefix else str(key))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{prefix}/{index}")
+
+    walk(tree, "")
+    return names
