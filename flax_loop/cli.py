@@ -1,10 +1,12 @@
 r"""`flax-loop`: what is in a checkpoint directory, which file is good, which resumes.
 
-    flax-loop ls DIR        a table of the checkpoints: step, kind, size, time, status, resume
+    flax-loop ls DIR        a table of the checkpoints: step, file, size, time, status, resume
     flax-loop verify DIR    every checksum; exit 1 naming each damaged checkpoint, else 0
-    flax-loop show PATH     a checkpoint's metadata and its arrays
+    flax-loop show PATH     a checkpoint's metadata and its arrays (a damaged file's
+                            bad arrays marked, exit 1)
 
-(also `python -m flax_loop ...`). Works on directories of checkpoint files
+(also `python -m flax_loop ...`). `ls` exits as `verify` does. Works on
+directories of checkpoint files
 and on Orbax directories written by `OrbaxCheckpointWriter`. A bad argument
 prints the usage and exits with 2. `verify` names an Orbax step that an
 interrupted write or pruning left incomplete; a resume skips such a step, so
@@ -21,6 +23,7 @@ it fails the check only when no intact step is left to resume from.
 import argparse
 import datetime
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -29,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from flax_loop.checkpoint import CheckpointEntry, list_checkpoints, read_contents
-from flax_loop.errors import FlaxLoopError
+from flax_loop.checkpoint import CheckpointEntry, list_checkpoints, read_contents, read_damaged
+from flax_loop.errors import CheckpointCorruptError, FlaxLoopError
 from flax_loop.log import format_bytes
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
@@ -77,6 +80,31 @@ def _time(entry: CheckpointEntry) -> str:
     return datetime.datetime.fromtimestamp(entry.modified).strftime("%Y-%m-%d %H:%M:%S")
 
 
+_READERS = {
+    "regular": "CheckpointFileReader",
+    "lowest": "LowestCheckpointFileReader",
+    "highest": "HighestCheckpointFileReader",
+    "orbax": "OrbaxCheckpointReader",
+}
+
+
+def _problem(entry: CheckpointEntry) -> str:
+    r"""Why an entry is not intact, naming it by its name (the directory is said once)."""
+    problem = entry.problem.replace(entry.path, entry.name)
+    return problem if entry.problem.startswith(entry.path) else f"{entry.name}: {problem}"
+
+
+def _exit_status(entries: list[CheckpointEntry]) -> int:
+    r"""1 if a checkpoint is damaged, or none a resume reads is intact; else 0.
+
+    An incomplete Orbax step (pruning interrupted) harms nothing while the
+    step a resume reads is intact."""
+    bad = [entry for entry in entries if not entry.intact]
+    damaged = [entry for entry in bad if entry.status != "incomplete"]
+    resumes = any(entry.resume for entry in entries)
+    return EXIT_DAMAGED if damaged or (bad and not resumes) else EXIT_OK
+
+
 def _ls(directory: str, console: Console) -> int:
     entries = list_checkpoints(directory)
     if not entries:
@@ -86,15 +114,14 @@ def _ls(directory: str, console: Console) -> int:
     # table's width, which would split a long path where a user copies it.
     console.print(Text(directory), soft_wrap=True)
     table = Table()
-    for column in ("step", "kind", "file", "size", "written", "status", "resume"):
-        table.add_column(
-            column, justify="right" if column in ("step", "size") else "left", no_wrap=True
-        )
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("file", overflow="fold")  # a long name wraps, never loses its end
+    for column in ("size", "written", "status", ""):
+        table.add_column(column, justify="right" if column == "size" else "left", no_wrap=True)
     for entry in entries:
         table.add_row(
             str(entry.step),
-            Text(entry.kind + (f" {entry.metric}" if entry.metric else "")),
-            Text(entry.name),
+            Text(entry.name + (" (Orbax step)" if entry.kind == "orbax" else "")),
             format_bytes(entry.size),
             _time(entry),
             "intact" if entry.intact else f"[red]{entry.status}[/red]",
@@ -103,27 +130,28 @@ def _ls(directory: str, console: Console) -> int:
     console.print(table)
     for entry in entries:
         if not entry.intact:
-            console.print(f"{entry.name}: {entry.problem}", markup=False)
-    return EXIT_OK
+            console.print(f"{entry.status}: {_problem(entry)}", markup=False)
+    reads = [f"{_READERS.get(e.kind, e.kind)} reads {e.name}" for e in entries if e.resume]
+    if reads:
+        console.print(f"<- resumes: {'; '.join(reads)}.", markup=False)
+    return _exit_status(entries)
 
 
 def _verify(directory: str, console: Console) -> int:
     entries = list_checkpoints(directory)
     bad = [entry for entry in entries if not entry.intact]
     for entry in bad:
-        console.print(f"{entry.status}: {entry.path}: {entry.problem}", markup=False)
+        console.print(f"{entry.status}: {_problem(entry)}", markup=False)
     console.print(
         f"{len(entries) - len(bad)} of {len(entries)} checkpoints in {directory} intact.",
         markup=False,
     )
-    # An incomplete Orbax step (pruning interrupted) harms nothing while the
-    # step a resume reads is intact.
-    damaged = [entry for entry in bad if entry.status != "incomplete"]
-    resumes = any(entry.resume for entry in entries)
-    return EXIT_DAMAGED if damaged or (bad and not resumes) else EXIT_OK
+    return _exit_status(entries)
 
 
-def _plain(value: Any) -> str:
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
     try:
         return json.dumps(value, default=repr)
     except (TypeError, ValueError):
@@ -131,13 +159,23 @@ def _plain(value: Any) -> str:
 
 
 def _show(path: str, console: Console) -> int:
-    contents = read_contents(path)
+    try:
+        contents = read_contents(path)
+    except CheckpointCorruptError:
+        if os.path.isdir(path):
+            raise
+        contents = read_damaged(path)  # the metadata, and which arrays are bad
     console.print(f"{contents.path}", markup=False)
     console.print(f"  step: {contents.step}")
     console.print(f"  format version: {contents.version}")
     console.print(f"  run key stored: {'yes' if contents.has_rnkey else 'no'}")
-    console.print(f"  metrics: {_plain(contents.metrics)}", markup=False)
-    console.print(f"  data state: {_plain(contents.data_state)}", markup=False)
+    metrics = contents.metrics if isinstance(contents.metrics, dict) else {}
+    console.print("  metrics:" + ("" if metrics else " none"))
+    for group, values in metrics.items():
+        shown = values.items() if isinstance(values, dict) else [("", values)]
+        line = ", ".join(f"{name} {_value(value)}" for name, value in shown)
+        console.print(f"    {group}: {line}", markup=False)
+    console.print(f"  data state: {_value(contents.data_state)}", markup=False)
     if contents.left_out:
         console.print(
             f"  frozen parameters left out (a resume takes them from its init): "
@@ -147,12 +185,19 @@ def _show(path: str, console: Console) -> int:
     table = Table(title=f"{len(contents.arrays)} arrays", title_justify="left")
     for column in ("path", "shape", "dtype", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
+    if contents.damaged:
+        table.add_column("status")
     for key, shape, dtype, nbytes in contents.arrays:
-        table.add_row(Text(key), str(shape), dtype, format_bytes(nbytes))
+        row: list[Any] = [Text(key), str(shape), dtype, format_bytes(nbytes)]
+        if contents.damaged:
+            row.append("[red]damaged[/red]" if key in contents.damaged else "intact")
+        table.add_row(*row)
     total = sum(nbytes for *_, nbytes in contents.arrays)
     table.add_row("total", "", "", format_bytes(total))
     console.print(table)
-    return EXIT_OK
+    for problem in contents.damaged.values():
+        console.print(f"damaged: {problem}", markup=False)
+    return EXIT_DAMAGED if contents.damaged else EXIT_OK
 
 
 def run() -> None:  # pragma: no cover - the console script

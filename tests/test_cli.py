@@ -29,10 +29,11 @@ def flip_a_byte(path, offset=200):
         stream.write(bytes([byte[0] ^ 0xFF]))
 
 
-def inspect(*argv):
-    """(exit status, output) of the command line."""
+def inspect(*argv, width=100):
+    """(exit status, output) of the command line, in a terminal 100 columns wide."""
     output = io.StringIO()
-    status = main(list(map(str, argv)), console=Console(file=output, width=200))
+    status = main(list(map(str, argv)), console=Console(file=output, width=width))
+    assert "…" not in output.getvalue(), output.getvalue()  # nothing cut short
     return status, " ".join(output.getvalue().replace("│", " ").split())  # no cell borders
 
 
@@ -63,14 +64,18 @@ def test_ls_prints_a_long_directory_whole_on_its_own_line(tmp_path, checkpoints)
     assert output.getvalue().splitlines()[0] == str(directory)
 
 
-def test_ls_lists_steps_kinds_status_and_the_file_a_resume_reads(files):
+def test_ls_lists_steps_files_status_and_the_file_each_resume_reads(files):
     status, out = inspect("ls", files)
-    assert status == 0
+    assert status == 1  # as verify: a damaged file
     for name in ("regular.2.ckpt", "regular.4.ckpt", "regular.6.ckpt", "regular.8.ckpt"):
         assert name in out
-    assert "highest eval/accuracy" in out
-    assert "regular.4.ckpt: " in out and "fails its checksum" in out
-    assert "regular.8.ckpt: [Errno 21] Is a directory" in out
+    assert "6 highest.eval.accuracy.6.ckpt" in out
+    assert (
+        "damaged: regular.4.ckpt is damaged: array model_params/Dense_0/bias (float32 (64,)) "
+        "fails its checksum." in out
+    )
+    assert str(files / "regular.4.ckpt") not in out  # the directory is said once
+    assert "unreadable: regular.8.ckpt: [Errno 21] Is a directory: 'regular.8.ckpt'" in out
     entries = {entry.name: entry for entry in list_checkpoints(str(files))}
     assert entries["regular.2.ckpt"].status == "intact"
     assert entries["regular.4.ckpt"].status == "damaged"
@@ -80,7 +85,11 @@ def test_ls_lists_steps_kinds_status_and_the_file_a_resume_reads(files):
         "highest.eval.accuracy.6.ckpt",
         "regular.6.ckpt",
     ]
-    assert out.count("<- resumes") == 2
+    assert out.count("<- resumes") == 3  # two rows, and the line saying what it means
+    assert (
+        "<- resumes: HighestCheckpointFileReader reads highest.eval.accuracy.6.ckpt; "
+        "CheckpointFileReader reads regular.6.ckpt." in out
+    )
 
 
 def test_verify_exits_1_naming_each_bad_file_and_0_when_all_are_intact(files):
@@ -100,9 +109,18 @@ def test_show_prints_metadata_and_every_array(files):
     assert "model_params/Dense_0/kernel (64, 64) float32 16.0 KiB" in out
     assert "optimizer_state/0/mu/Dense_0/kernel (64, 64) float32" in out  # Adam's moments
     status, out = inspect("show", files / "highest.eval.accuracy.6.ckpt")
-    assert '"accuracy": 0.5' in out
+    assert "metrics: eval: accuracy 0.5" in out
+
+
+def test_show_on_a_damaged_file_prints_its_metadata_and_marks_the_bad_array(files):
     status, out = inspect("show", files / "regular.4.ckpt")
-    assert status == 2 and "fails its checksum" in out and "Traceback" not in out
+    assert status == 1 and "Traceback" not in out
+    assert "step: 4" in out and "run key stored: yes" in out
+    assert "model_params/Dense_0/bias (64,) float32 256 B damaged" in out
+    assert "model_params/Dense_0/kernel (64, 64) float32 16.0 KiB intact" in out
+    assert out.endswith(
+        "damaged: array model_params/Dense_0/bias (float32 (64,)) fails its checksum."
+    )
 
 
 @pytest.mark.parametrize(
@@ -132,13 +150,14 @@ def test_orbax_directories_too(tmp_path, checkpoints):
         for checkpoint in checkpoints:
             writer(checkpoint)
     status, out = inspect("ls", tmp_path)
-    assert status == 0 and out.count(" orbax ") == 3 and out.count("<- resumes") == 1
+    assert status == 0 and out.count("(Orbax step)") == 3 and out.count("<- resumes") == 2
+    assert "<- resumes: OrbaxCheckpointReader reads 6." in out
     assert [entry.resume for entry in list_checkpoints(str(tmp_path))] == [False, False, True]
     status, out = inspect("show", tmp_path / "6")
     assert "step: 6" in out and "model_params/Dense_0/kernel (64, 64) float32" in out
     shutil.rmtree(tmp_path / "4" / "state" / "d")  # its array data
     status, out = inspect("verify", tmp_path)
-    assert status == 1 and "damaged: " in out and str(tmp_path / "4") in out
+    assert status == 1 and "damaged: 4: " in out
     assert "2 of 3 checkpoints" in out
 
 
@@ -154,7 +173,7 @@ def test_the_module_and_console_script_run(files):
     assert "regular.4.ckpt" in result.stdout
     script = shutil.which("flax-loop")
     if script is not None:  # installed with pip install -e .
-        assert subprocess.run([script, "ls", str(files)], capture_output=True).returncode == 0
+        assert subprocess.run([script, "ls", str(files)], capture_output=True).returncode == 1
 
 
 def test_listing_files_loads_neither_jax_nor_orbax(files):
@@ -172,5 +191,5 @@ def test_listing_files_loads_neither_jax_nor_orbax(files):
         text=True,
         timeout=60,
     )
-    # ls lists a damaged file (0), verify fails on it (1), show reads an intact one (0)
-    assert result.stdout.strip().endswith("[0, 1, 0] []"), result.stdout + result.stderr
+    # ls and verify find the damaged file (1), show reads an intact one (0)
+    assert result.stdout.strip().endswith("[1, 1, 0] []"), result.stdout + result.stderr

@@ -236,7 +236,7 @@ def test_a_fifo_or_a_dangling_link_named_like_a_checkpoint_is_reported_and_skipp
     assert "regular.5.ckpt is not a checkpoint: a symbolic link to" in out
     assert "2 of 4 checkpoints" in out
     code, out = cli_output("ls", str(tmp_path))
-    assert code == cli.EXIT_OK and "<- resumes" in out
+    assert code == cli.EXIT_DAMAGED and "<- resumes" in out
     code, out = cli_output("show", str(tmp_path / "regular.6.ckpt"))
     assert code == cli.EXIT_USAGE and "not a regular file" in out
     assert CheckpointFileReader(dir=str(tmp_path), target=None).read_newest().step == 4
@@ -334,8 +334,8 @@ def test_a_crafted_shape_is_damage_skipped_at_resume(tmp_path, shape):
 
     _rewrite_footer(tmp_path / "regular.4.ckpt", crafted)
     assert CheckpointFileReader(dir=str(tmp_path), target=None).read_newest().step == 2
-    code, out = cli_output("show", str(tmp_path / "regular.4.ckpt"))
-    assert code == cli.EXIT_USAGE and "invalid description" in out
+    code, out = cli_output("show", str(tmp_path / "regular.4.ckpt"))  # the rest is shown
+    assert code == cli.EXIT_DAMAGED and "invalid description" in out and "step: 4" in out
 
 
 # -- 13, 18. the CLI agrees with what resumes, and never shows a traceback -----

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         CheckpointEntry,
         list_checkpoints,
         read_contents,
+        read_damaged,
     )
     from flax_loop.checkpoint._orbax import (
         HighestOrbaxCheckpointWriter,
@@ -46,6 +47,7 @@ _HOMES = {
     "CheckpointEntry": "flax_loop.checkpoint._inventory",
     "list_checkpoints": "flax_loop.checkpoint._inventory",
     "read_contents": "flax_loop.checkpoint._inventory",
+    "read_damaged": "flax_loop.checkpoint._inventory",
     "HighestOrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
     "LowestOrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
     "OrbaxCheckpointReader": "flax_loop.checkpoint._orbax_reader",
@@ -90,6 +92,7 @@ __all__ = [
     "expect",
     "list_checkpoints",
     "read_contents",
+    "read_damaged",
     "summarize",
     "train_statistics",
 ]

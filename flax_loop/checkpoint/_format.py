@@ -158,42 +158,7 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
         CheckpointVersionError: for a file of a newer format version.
     """
     with _open_regular(path) as stream:
-        size = os.fstat(stream.fileno()).st_size
-        if size < _HEAD.size + _TAIL.size:
-            raise CheckpointCorruptError(
-                f"{path} is truncated: {size} bytes, shorter than any checkpoint file."
-            )
-        magic, version = _HEAD.unpack(stream.read(_HEAD.size))
-        if magic != MAGIC:
-            raise CheckpointCorruptError(
-                f"{path} is not a flax_loop checkpoint file (header {magic!r})."
-            )
-        if version > FORMAT_VERSION:
-            raise CheckpointVersionError(
-                f"{path} has format version {version}; this flax_loop reads "
-                f"versions up to {FORMAT_VERSION}. Upgrade flax_loop to read it."
-            )
-        stream.seek(size - _TAIL.size)
-        footer_size, footer_crc, end = _TAIL.unpack(stream.read(_TAIL.size))
-        data_end = size - _TAIL.size - footer_size
-        if end != END_MAGIC or footer_size > size - _HEAD.size - _TAIL.size:
-            raise CheckpointCorruptError(
-                f"{path} is truncated or damaged: its end marker or footer size is "
-                "wrong (was the write interrupted?)."
-            )
-        stream.seek(data_end)
-        footer_bytes = stream.read(footer_size)
-        if zlib.crc32(footer_bytes) != footer_crc:
-            raise CheckpointCorruptError(f"{path} is damaged: footer checksum mismatch.")
-        footer = _unpack_footer(path, footer_bytes)
-        _check_depth(path, footer)
-        if footer.get("format") != FORMAT_NAME or footer.get("version") != version:
-            raise CheckpointCorruptError(
-                f"{path} has an inconsistent header: format {footer.get('format')!r} "
-                f"version {footer.get('version')!r} against header version {version}."
-            )
-        entries = list(_entries(path, footer))
-        _check_layout(path, entries, data_end)
+        footer, entries, data_end = read_footer(stream, path)
         names = array_names(footer.get("tree"))
         with Checksums() as checksums:
             arrays = [
@@ -210,6 +175,53 @@ def read(path: str) -> tuple[Any, dict[str, Any]]:
     meta = {k: v for k, v in footer.items() if k not in ("tree", "arrays")}
     _check_meta(path, meta)
     return tree, meta
+
+
+def read_footer(stream: BinaryIO, path: str) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    r"""A file's footer checked (header, end marker, footer checksum, layout):
+    the footer, its array entries and where the arrays' data ends.
+
+    Raises:
+        CheckpointCorruptError: for a truncated or damaged file.
+        CheckpointVersionError: for a file of a newer format version.
+    """
+    size = os.fstat(stream.fileno()).st_size
+    if size < _HEAD.size + _TAIL.size:
+        raise CheckpointCorruptError(
+            f"{path} is truncated: {size} bytes, shorter than any checkpoint file."
+        )
+    magic, version = _HEAD.unpack(stream.read(_HEAD.size))
+    if magic != MAGIC:
+        raise CheckpointCorruptError(
+            f"{path} is not a flax_loop checkpoint file (header {magic!r})."
+        )
+    if version > FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{path} has format version {version}; this flax_loop reads "
+            f"versions up to {FORMAT_VERSION}. Upgrade flax_loop to read it."
+        )
+    stream.seek(size - _TAIL.size)
+    footer_size, footer_crc, end = _TAIL.unpack(stream.read(_TAIL.size))
+    data_end = size - _TAIL.size - footer_size
+    if end != END_MAGIC or footer_size > size - _HEAD.size - _TAIL.size:
+        raise CheckpointCorruptError(
+            f"{path} is truncated or damaged: its end marker or footer size is "
+            "wrong (was the write interrupted?)."
+        )
+    stream.seek(data_end)
+    footer_bytes = stream.read(footer_size)
+    if zlib.crc32(footer_bytes) != footer_crc:
+        raise CheckpointCorruptError(f"{path} is damaged: footer checksum mismatch.")
+    footer = _unpack_footer(path, footer_bytes)
+    _check_depth(path, footer)
+    if footer.get("format") != FORMAT_NAME or footer.get("version") != version:
+        raise CheckpointCorruptError(
+            f"{path} has an inconsistent header: format {footer.get('format')!r} "
+            f"version {footer.get('version')!r} against header version {version}."
+        )
+    entries = list(_entries(path, footer))
+    _check_layout(path, entries, data_end)
+    return footer, entries, data_end
 
 
 def _open_regular(path: str) -> BinaryIO:

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from flax_loop.checkpoint import _format
-from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX, LeftOut
+from flax_loop.checkpoint._checksums import Checksums
+from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX, LeftOut, array_names
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
 
 _STEP_NAME = re.compile(r"[0-9]+")
@@ -89,6 +90,8 @@ class CheckpointContents:
     r"""`(path, shape, dtype, bytes)` of every array."""
     left_out: tuple[str, ...] = ()
     r"""the frozen parameters the file leaves out (`save_frozen=False`)."""
+    damaged: dict[str, str] = field(default_factory=dict)
+    r"""of a damaged file (`read_damaged`), what is wrong with each bad array, by path."""
 
 
 def _is_orbax(directory: str) -> bool:
@@ -273,6 +276,45 @@ def read_contents(path: str) -> CheckpointContents:
         meta.get("data_state"),
         arrays,
         _left_out(meta),
+    )
+
+
+def read_damaged(path: str) -> CheckpointContents:
+    r"""What a damaged checkpoint file still shows: its metadata and every
+    array, each bad one with its problem (`damaged`).
+
+    Raises:
+        CheckpointError: if not even the footer (the metadata) can be read.
+    """
+    with _format._open_regular(path) as stream:
+        footer, entries, data_end = _format.read_footer(stream, path)
+        names = array_names(footer.get("tree"))
+        arrays, damaged = [], {}
+        for index, entry in enumerate(entries):
+            name = names.get(index, str(index))
+            try:
+                with Checksums() as checksums:
+                    array = _format._read_array(stream, path, name, entry, data_end, checksums)
+                arrays.append((name, tuple(array.shape), array.dtype.name, array.nbytes))
+            except CheckpointCorruptError as error:
+                shape: Any = entry.get("shape")
+                size: Any = entry.get("nbytes")
+                shape = tuple(shape) if isinstance(shape, list) else ()
+                size = size if isinstance(size, int) else 0
+                arrays.append((name, shape, str(entry.get("dtype")), size))
+                damaged[name] = str(error).replace(f"{path} is damaged: ", "")
+    step = footer.get("step")
+    metrics = footer.get("metrics")
+    return CheckpointContents(
+        path,
+        step if isinstance(step, int) else -1,
+        int(footer.get("version", 0) or 0),
+        metrics if isinstance(metrics, dict) else {},
+        isinstance(footer.get("rnkey"), dict),
+        footer.get("data_state"),
+        arrays,
+        _left_out(footer),
+        damaged,
     )
 
 
