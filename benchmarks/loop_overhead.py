@@ -250,7 +250,8 @@ def anatomy(rounds, n_steps=3200):
     )
     whole = timed_loop(loop)
     whole(64)  # past the feed's first reads (it decides to read inline)
-    one, key, feed = loop.compiled.programs["one"], loop._train_key, loop._feed
+    runner = loop._runner  # the set-up run's parts (flax_loop.runner)
+    one, key, feed = loop.compiled.programs["one"], runner.train_key, runner.feed
     plain = [((x,), (y,)) for x, y in batches]
 
     def busy():
@@ -260,7 +261,7 @@ def anatomy(rounds, n_steps=3200):
 
     def bare(read):
         def run(n):
-            state, queue = loop._state, deque()
+            state, queue = runner.state, deque()
             stream = itertools.cycle(plain)
             started = time.perf_counter()
             for _ in range(n):
@@ -275,7 +276,7 @@ def anatomy(rounds, n_steps=3200):
                 if len(queue) > depth:
                     queue.popleft().block_until_ready()
             loss.block_until_ready()
-            loop._state = state
+            runner.state = state
             return time.perf_counter() - started
 
         return run

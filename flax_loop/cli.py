@@ -2,8 +2,7 @@ r"""`flax-loop`: what is in a checkpoint directory, which file is good, which re
 
     flax-loop ls DIR        a table of the checkpoints: step, file, size, time, status, resume
     flax-loop verify DIR    every checksum; exit 1 naming each damaged checkpoint, else 0
-    flax-loop show PATH     a checkpoint's metadata and its arrays (a damaged file's
-                            bad arrays marked, exit 1)
+    flax-loop show PATH     a checkpoint's metadata and its arrays (bad ones marked)
 
 (also `python -m flax_loop ...`). `ls` exits as `verify` does. Works on
 directories of checkpoint files

@@ -581,3 +581,18 @@ def test_a_narrower_mutable_collections_still_initializes_every_collection(model
         assert any(
             np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(narrower[-1].model_state)
         )
+
+
+def test_mutable_collections_false_trains_a_linen_model_returning_bare_outputs():
+    # Set-up still initializes every collection (init's mutable is not the
+    # training step's); the step calls apply(..., mutable=False), which
+    # returns the logits alone.
+    def last(**options):
+        *_, checkpoint = digits_loop(n_steps=6, n_steps_per_checkpoint=3, n_devices=1, **options)
+        return checkpoint
+
+    bare = last(mutable_collections=False)
+    default = last()
+    assert bare.step == 6 and bare.model_state == {}
+    for a, b in zip(jax.tree.leaves(bare.model_params), jax.tree.leaves(default.model_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
