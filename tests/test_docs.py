@@ -186,6 +186,36 @@ def test_the_beyond_supervised_guide_runs_as_written(capsys):
     assert "['discriminator', 'generator']" in printed
 
 
+# Guides whose programs another test runs, with assertions of its own.
+GUIDES_RUN_ELSEWHERE = {
+    "beyond_supervised.md": "test_the_beyond_supervised_guide_runs_as_written",
+    "time_and_memory.md": "test_the_time_and_memory_guide_runs_as_written",
+    "migrating.md": "tests/test_compat.py",
+}
+
+
+def guides_with_programs():
+    folder = os.path.join(ROOT, "docs", "guides")
+    for name in sorted(os.listdir(folder)):
+        text = open(os.path.join(folder, name)).read()
+        if "```python" in text and name not in GUIDES_RUN_ELSEWHERE:
+            yield name
+
+
+@pytest.mark.parametrize("guide", list(guides_with_programs()))
+def test_a_guide_runs_as_written(guide, tmp_path, monkeypatch, capsys):
+    # A guide's python blocks run one after the other, in one namespace, in
+    # a fresh directory: each guide stands alone, its imports and model in it.
+    text = open(os.path.join(ROOT, "docs", "guides", guide)).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    monkeypatch.chdir(tmp_path)
+    set_console(Console(file=io.StringIO()))
+    namespace = {"__name__": "guide"}
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"{guide}, block {index + 1}", "exec"), namespace)
+    assert "Traceback" not in capsys.readouterr().out
+
+
 def test_the_readme_time_and_memory_block_runs(capsys):
     text = open(os.path.join(ROOT, "README.md")).read()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "memory_plan" in b]

@@ -48,13 +48,14 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
     assert guides == sorted(
         f"{name}.html"
         for name in (
-            "getting_started", "iterator", "models", "data", "checkpoints", "beyond_supervised",
-            "devices", "interruptions", "speed", "time_and_memory", "migrating",
+            "getting_started", "iterator", "models", "data", "checkpoints", "logging", "recipes",
+            "beyond_supervised", "devices", "interruptions", "speed", "time_and_memory",
+            "migrating",
         )
     )  # fmt: skip
     # Notebook pages show their stored outputs (the training table, the plot).
     assert "<img" in (site / "notebooks" / "nnx.html").read_text()
-    # Included README fragments arrived (a guide is not an empty shell).
+    # A guide is not an empty shell.
     assert "OrbaxCheckpointWriter" in (site / "guides" / "checkpoints.html").read_text()
 
 
