@@ -22,12 +22,19 @@ for name in sorted(os.listdir(os.path.join(ROOT, "notebooks"))):
 
 project = "flax_loop"
 author = "the flax_loop authors"
+copyright = "the flax_loop authors"  # noqa: A001 - Sphinx's name
+# Docstrings write names in single backquotes: shown as code, never as <cite>.
+default_role = "code"
 extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 nb_execution_mode = "off"  # the suite runs them; pages show their stored outputs
 myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_default_options = {"members": True, "inherited-members": True, "show-inheritance": False}
+autodoc_default_options = {
+    "members": True,
+    "inherited-members": True,
+    "special-members": "__call__",  # EvalLoop, the writers and loggers are called
+}
 napoleon_google_docstring = True
 html_theme = "furo" if __import__("importlib").util.find_spec("furo") else "alabaster"
 html_title = "flax_loop"
