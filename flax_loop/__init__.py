@@ -1,5 +1,14 @@
 r"""flax_loop: an iterator-style managed training loop for JAX, Flax and Optax.
 
+>>> import jax
+>>> import optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
 >>> task = TrainTask(apply=model.apply, optimizer=optax.adam(1e-3),
 ...                  loss=cross_entropy, data=batches)
 >>> for checkpoint in TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),

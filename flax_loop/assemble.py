@@ -259,6 +259,8 @@ def assemble(
         step,
         frozen=trained_part.frozen_mask(),
     )
+    if options.profile is not None:
+        options.profile.stdout = stdout
     setup_seconds = time.perf_counter() - started
     runner = Runner(
         steps.state,

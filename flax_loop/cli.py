@@ -11,6 +11,20 @@ prints the usage and exits with 2. `verify` names an Orbax step that an
 interrupted write or pruning left incomplete; a resume skips such a step, so
 it fails the check only when no intact step is left to resume from.
 
+>>> import jax
+>>> import optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask, CheckpointFileWriter
+>>> import pathlib, tempfile
+>>> tmp = pathlib.Path(tempfile.mkdtemp())
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+>>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0), n_steps=4,
+...                  n_steps_per_checkpoint=3, stdout=False)
 >>> with CheckpointFileWriter(output_dir=str(tmp / "ckpts"), keep=2) as writer:
 ...     for checkpoint in loop:
 ...         _ = writer(checkpoint)

@@ -13,7 +13,24 @@ class SummaryLogger:
     r"""Prints each summary (or checkpoint): a table of its groups and metrics,
     or with `compact=True` one line.
 
-    >>> log = SummaryLogger()
+    >>> import jax
+    >>> import optax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask, EvalLoop, EvalTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> test_batches = batches[:2]
+    >>> def accuracy(logits, labels):
+    ...     return (logits.argmax(-1) == labels).mean()
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0), n_steps=4,
+    ...                  n_steps_per_checkpoint=3, stdout=False)
+    >>> eval_loop = EvalLoop(EvalTask(model.apply, {"accuracy": accuracy}, test_batches),
+    ...                      rnkey=jax.random.key(1), n_steps=None)
+    >>> log = SummaryLogger(stdout=False)  # here: the line below is what the example shows
     >>> for checkpoint in loop:
     ...     _ = log(eval_loop(checkpoint))      # or log(checkpoint): its train statistics
     >>> print(render_line(eval_loop(checkpoint)))  # doctest: +ELLIPSIS

@@ -1,5 +1,18 @@
 r"""`EvalLoop`: exact, example-weighted metrics of a checkpoint on eval data.
 
+>>> import optax
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> test_batches = batches[:2]
+>>> def accuracy(logits, labels):
+...     return (logits.argmax(-1) == labels).mean()
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+>>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+...                       n_steps=2, stdout=False).next_checkpoint()
 >>> eval_loop = EvalLoop(EvalTask(apply=model.apply, metrics={"accuracy": accuracy},
 ...                               data=test_batches),
 ...                      rnkey=jax.random.key(1), n_steps=None)

@@ -1,5 +1,9 @@
 r"""The state training starts from: a model's `init`, or a checkpoint file.
 
+>>> import jax, optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> model, x = nn.Dense(3), np.ones((8, 4), np.float32)
 >>> start = initial_state(model.init, optax.sgd(0.1), jax.random.key(0), (x,),
 ...                       init_labels=["params"], mutable_collections=True)
 >>> start.step, start.path is None

@@ -1,5 +1,23 @@
 r"""`JsonLinesWriter`: summaries as JSON lines, one object per checkpoint.
 
+>>> import jax
+>>> import optax
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask, EvalLoop, EvalTask
+>>> import pathlib, tempfile
+>>> tmp = pathlib.Path(tempfile.mkdtemp())
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> test_batches = batches[:2]
+>>> def accuracy(logits, labels):
+...     return (logits.argmax(-1) == labels).mean()
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+>>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+...                       n_steps=2, stdout=False).next_checkpoint()
+>>> eval_loop = EvalLoop(EvalTask(model.apply, {"accuracy": accuracy}, test_batches),
+...                      rnkey=jax.random.key(1), n_steps=None)
 >>> writer = JsonLinesWriter(str(tmp / "metrics.jsonl"))
 >>> _ = writer(eval_loop(checkpoint))
 >>> writer.close()

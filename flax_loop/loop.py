@@ -4,6 +4,17 @@ Cadence: a checkpoint comes at every multiple of `n_steps_per_checkpoint`
 and at the last step. With `n_steps=10, n_steps_per_checkpoint=3`, iteration
 yields checkpoints at steps 3, 6, 9 and 10:
 
+>>> import jax
+>>> import optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+>>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+...                       n_steps=2, stdout=False).next_checkpoint()
 >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
 ...                  n_steps=10, n_steps_per_checkpoint=3, stdout=False)
 >>> [checkpoint.step for checkpoint in loop]
@@ -61,6 +72,15 @@ class TrainLoop:
     checkpoint back with `nnx.update(model, checkpoint.model_params,
     checkpoint.model_state)`).
 
+    >>> import jax
+    >>> import optax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
     >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
     ...                  n_steps=4, n_steps_per_checkpoint=2, stdout=False)
     >>> for checkpoint in loop:

@@ -1,5 +1,26 @@
 r"""`MLflowWriter`: summaries and hyperparameters into an MLflow tracking store.
 
+>>> import jax
+>>> import optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask, EvalLoop, EvalTask
+>>> import pathlib, tempfile
+>>> tmp = pathlib.Path(tempfile.mkdtemp())
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> test_batches = batches[:2]
+>>> def accuracy(logits, labels):
+...     return (logits.argmax(-1) == labels).mean()
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+>>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+...                       n_steps=2, stdout=False).next_checkpoint()
+>>> eval_loop = EvalLoop(EvalTask(model.apply, {"accuracy": accuracy}, test_batches),
+...                      rnkey=jax.random.key(1), n_steps=None)
+>>> import os
+>>> os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 asks it for a local store
 >>> writer = MLflowWriter(tracking_uri=f"file://{tmp}/mlruns", experiment="digits",
 ...                       params={"learning_rate": 1e-3})
 >>> _ = writer(eval_loop(checkpoint))

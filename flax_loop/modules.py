@@ -12,6 +12,7 @@ with keys derived from the run's key, the step and the device, so devices
 draw different dropout masks; a `__call__(self, x, rngs=None)` also gets an
 `nnx.Rngs` of those keys.
 
+>>> import numpy as np
 >>> from flax import nnx
 >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
 >>> functional = NNXModel(model, train=True)

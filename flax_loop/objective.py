@@ -12,6 +12,14 @@ step's variables; for linen a `LinenModel`, a callable that applies them.
 Frozen models (`TrainTask(frozen=...)`) travel to the devices as arrays and
 become models again inside the step, in evaluation mode.
 
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop import TrainTask
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
 >>> objective = Objective.of(task, model.apply, rng_labels=[], mutable_collections=False)
 >>> [part.name for part in objective.parts]
 [None]

@@ -1,5 +1,16 @@
 r"""Tracing a window of training steps with `jax.profiler`.
 
+>>> import optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask
+>>> import pathlib, tempfile
+>>> tmp = pathlib.Path(tempfile.mkdtemp())
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
 >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0), n_steps=6,
 ...                  stdout=False, profile=ProfileSteps(start=3, n=2, log_dir=str(tmp / "trace")))
 >>> _ = list(loop)
@@ -45,6 +56,10 @@ class ProfileSteps:
 
     traced_steps: list[int] = field(default_factory=list, init=False)
     r"""the steps dispatched while tracing (filled as the loop runs)."""
+
+    stdout: bool = field(default=True, init=False)
+    r"""whether the closing "Traced steps ..." line is printed (the loop's
+    `stdout`); a trace that fails is said regardless."""
 
     problem: str | None = field(default=None, init=False)
     r"""why the trace could not be taken or written, if it could not."""
@@ -104,7 +119,7 @@ class ProfileSteps:
             return
         steps = self.traced_steps
         where = f"{steps[0]}-{steps[-1]}" if steps else f"{self.start}-{self.end}"
-        log(f"Traced steps {where} into {self.log_dir}.")
+        log(f"Traced steps {where} into {self.log_dir}.", stdout=self.stdout)
 
     def _give_up(self, why: str) -> None:
         self._done = True

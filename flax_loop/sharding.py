@@ -19,12 +19,17 @@ annotations, or per-leaf specs on a mesh.
 Except with `"fsdp"`, each optimizer-state leaf that mirrors a parameter
 follows that parameter's layout.
 
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> from flax_loop.parallel import Placement
 >>> placement = Placement(jax.devices())
 >>> params = {"big": jax.ShapeDtypeStruct((1024, 512), jnp.float32),
 ...           "small": jax.ShapeDtypeStruct((16,), jnp.float32)}
 >>> specs = parameter_specs("fsdp", placement, params, fsdp_min_bytes=2**20)
->>> specs["big"], specs["small"]
-(P('data',), P())
+>>> specs["small"]  # under fsdp_min_bytes: whole on every device
+P()
+>>> specs["big"] == (P("data") if len(jax.devices()) > 1 else P())  # split if several
+True
 """
 
 from collections.abc import Callable

@@ -127,6 +127,11 @@ class IntervalResult(NamedTuple):
 def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalStatistics]:
     r"""The interval's statistics, and the state with its interval sums reset.
 
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = TrainState.create(params, {}, (), step=0)._replace(
+    ...     counters=jnp.array([1, 0, 0], jnp.int32), loss_sum=jnp.float32(0.5))
+    >>> grads = {"w": jnp.zeros(3)}
     >>> state, statistics = close_interval(state, grads)
     >>> int(statistics.counters[0]), float(state.loss_sum)
     (1, 0.0)

@@ -18,6 +18,14 @@ MetricFn = Callable[..., Any]
 class TrainTask:
     r"""The training task describes how to train a model.
 
+    >>> import jax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
     >>> task = TrainTask(apply=model.apply, optimizer=optax.adam(1e-3),
     ...                  loss=cross_entropy, data=batches)
     >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
@@ -100,6 +108,20 @@ class TrainTask:
 class EvalTask:
     r"""The evaluation task describes how to evaluate a model.
 
+    >>> import jax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, EvalLoop
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> test_batches = batches[:2]
+    >>> def accuracy(logits, labels):
+    ...     return (logits.argmax(-1) == labels).mean()
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
     >>> task = EvalTask(apply=model.apply, data=test_batches,
     ...                 metrics={"accuracy": accuracy, "loss": cross_entropy})
     >>> summary = EvalLoop(task, rnkey=jax.random.key(1), n_steps=None)(checkpoint)

@@ -17,6 +17,25 @@ from flax_loop.log import is_main_process
 class SummaryWriter:
     r"""Writes each summary's metrics as scalars `group/metric` at its step.
 
+    >>> import jax
+    >>> import optax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask, EvalLoop, EvalTask
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> test_batches = batches[:2]
+    >>> def accuracy(logits, labels):
+    ...     return (logits.argmax(-1) == labels).mean()
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0), n_steps=4,
+    ...                  n_steps_per_checkpoint=3, stdout=False)
+    >>> eval_loop = EvalLoop(EvalTask(model.apply, {"accuracy": accuracy}, test_batches),
+    ...                      rnkey=jax.random.key(1), n_steps=None)
     >>> writer = SummaryWriter(output_dir=str(tmp / "runs"))
     >>> for checkpoint in loop:
     ...     _ = writer(eval_loop(checkpoint))   # or writer(checkpoint): its train statistics

@@ -9,21 +9,15 @@ docstring examples assume a model and data are at hand.
 import doctest
 import importlib
 import io
-import itertools
 import os
 import pkgutil
 import re
-import signal
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
 from rich.console import Console
 
 import flax_loop
-from flax_loop import EvalLoop, EvalTask, TrainLoop, TrainTask, set_console
+from flax_loop import set_console
 from tests.helpers import MLP, ROOT, accuracy, batches, cross_entropy, digits_split
 
 X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
@@ -32,84 +26,6 @@ MODULES = sorted(
     for _, name, _ in pkgutil.walk_packages(flax_loop.__path__, "flax_loop.")
     if not name.endswith("__main__")
 )
-
-
-class Namespace(dict):
-    """Names the examples use, each built on first use, fresh for every docstring."""
-
-    def __init__(self, base, tmp):
-        super().__init__(base)
-        self.tmp = tmp
-
-    def __missing__(self, name):
-        factory = FACTORIES.get(name)
-        if factory is None:
-            raise KeyError(name)
-        self[name] = value = factory(self)
-        return value
-
-
-def _task(ns):
-    return TrainTask(ns["model"].apply, optax.adam(1e-2), cross_entropy, ns["batches"])
-
-
-def _loop(ns):
-    return TrainLoop(
-        init=ns["model"].init,
-        task=_task(ns),
-        rnkey=jax.random.key(0),
-        n_steps=4,
-        n_steps_per_checkpoint=3,
-        stdout=False,
-    )
-
-
-def _trained_state(ns):
-    from flax_loop.state import TrainState
-    from flax_loop.step import build_update
-
-    update = build_update(ns["model"].apply, cross_entropy, optax.sgd(0.1), [], False, None)
-    state = TrainState.create(ns["params"], {}, optax.sgd(0.1).init(ns["params"]), step=0)
-    state, (_, grads) = update(state, ns["batch"], jax.random.key(0))
-    ns["grads"] = grads
-    return state
-
-
-FACTORIES = {
-    "model": lambda ns: MLP(features=(16,)),
-    "batches": lambda ns: batches(X_TRAIN, Y_TRAIN, 32),
-    "test_batches": lambda ns: [
-        (X_TEST[i : i + 100], Y_TEST[i : i + 100]) for i in range(0, 300, 100)
-    ],
-    "task": _task,
-    "loop": _loop,
-    "checkpoint": lambda ns: TrainLoop(
-        init=ns["model"].init, task=_task(ns), rnkey=jax.random.key(0), n_steps=2, stdout=False
-    ).next_checkpoint(),
-    "eval_loop": lambda ns: EvalLoop(
-        EvalTask(ns["model"].apply, {"accuracy": accuracy}, ns["test_batches"]),
-        rnkey=jax.random.key(1),
-        n_steps=None,
-    ),
-    "x": lambda ns: X_TRAIN[:32],
-    "batch": lambda ns: ((X_TRAIN[:32],), (Y_TRAIN[:32],)),
-    "params": lambda ns: ns["model"].init(jax.random.key(0), X_TRAIN[:1])["params"],
-    "state": _trained_state,
-    "grads": lambda ns: (_trained_state(ns), ns["grads"])[1],
-    "tmp": lambda ns: ns.tmp,
-}
-BASE = {
-    "jax": jax,
-    "jnp": jnp,
-    "np": np,
-    "optax": optax,
-    "os": os,
-    "signal": signal,
-    "itertools": itertools,
-    "cross_entropy": cross_entropy,
-    "accuracy": accuracy,
-    **{name: getattr(flax_loop, name) for name in flax_loop.__all__},
-}
 
 
 def docstring_examples():
@@ -122,10 +38,10 @@ def docstring_examples():
 
 
 @pytest.mark.parametrize("module, test", docstring_examples())
-def test_docstring_example(module, test, tmp_path):
-    from pathlib import Path
-
-    test.globs = Namespace({**vars(module), **BASE}, Path(tmp_path))
+def test_docstring_example(module, test):
+    # Each example stands alone, as `pytest --doctest-modules --pyargs
+    # flax_loop` runs it: its module's names and its own imports, nothing else.
+    test.globs = dict(vars(module))
     set_console(Console(file=io.StringIO()))  # messages are not part of the examples
     runner = doctest.DocTestRunner(
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False

@@ -149,6 +149,8 @@ class _BestCheckpointFileWriter(KeepsBest, CheckpointFileWriter):  # type: ignor
 class LowestCheckpointFileWriter(_BestCheckpointFileWriter):
     r"""Keeps the checkpoint with the lowest value of `metrics[group][metric]`.
 
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
     >>> writer = LowestCheckpointFileWriter(output_dir=str(tmp), metric="loss", stdout=False)
     >>> writer.best_metric
     inf
@@ -165,6 +167,10 @@ class LowestCheckpointFileWriter(_BestCheckpointFileWriter):
 class HighestCheckpointFileWriter(_BestCheckpointFileWriter):
     r"""Keeps the checkpoint with the highest value of `metrics[group][metric]`.
 
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> def accuracy(logits, labels):
+    ...     return (logits.argmax(-1) == labels).mean()
     >>> writer = HighestCheckpointFileWriter(output_dir=str(tmp), metric="accuracy", stdout=False)
     >>> writer.is_best(0.5)
     True
@@ -191,6 +197,10 @@ class _BestCheckpointFileReader(CheckpointFileReader):
 class LowestCheckpointFileReader(_BestCheckpointFileReader):
     r"""Reads the checkpoint a `LowestCheckpointFileWriter` kept.
 
+    >>> import flax.linen as nn
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> model = nn.Dense(3)
     >>> reader = LowestCheckpointFileReader(dir=str(tmp), target=model.init, metric="loss")
     >>> reader.read_newest() is None
     True

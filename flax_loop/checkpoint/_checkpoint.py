@@ -23,6 +23,18 @@ class Checkpoint(Saved):
     (`model.apply({"params": checkpoint.model_params}, x)`). They are copies,
     so they stay valid after the loop moves on.
 
+    >>> import jax
+    >>> import optax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0), n_steps=4,
+    ...                  n_steps_per_checkpoint=3, stdout=False)
     >>> for checkpoint in loop:
     ...     print(checkpoint.step, checkpoint.n_completed_steps, checkpoint.mean_loss > 0)
     3 3 True
@@ -91,6 +103,23 @@ class Checkpoint(Saved):
 class Summary(Checkpoint):
     r"""A checkpoint with metrics grouped by kind, e.g. `{"train": ..., "eval": ...}`.
 
+    >>> import jax
+    >>> import optax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask, EvalLoop, EvalTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> test_batches = batches[:2]
+    >>> def accuracy(logits, labels):
+    ...     return (logits.argmax(-1) == labels).mean()
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
+    >>> eval_loop = EvalLoop(EvalTask(model.apply, {"accuracy": accuracy}, test_batches),
+    ...                      rnkey=jax.random.key(1), n_steps=None)
     >>> summary = eval_loop(checkpoint)
     >>> 0.0 <= summary.metrics["eval"]["accuracy"] <= 1.0
     True
@@ -103,6 +132,18 @@ class Summary(Checkpoint):
 def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
     r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed it.
 
+    >>> import jax
+    >>> import optax
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
     >>> expect(checkpoint, Summary, "SummaryWriter")
     Traceback (most recent call last):
     ...

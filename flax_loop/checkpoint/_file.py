@@ -23,6 +23,18 @@ from flax_loop.random import key_data, key_from_data
 class CheckpointFile(Saved):
     r"""What a checkpoint file holds: the saved state and its metrics.
 
+    >>> import optax
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask, CheckpointFileReader
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
     >>> file = CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init).read_newest()
     >>> file is None    # the directory holds no checkpoint yet
     True

@@ -31,6 +31,8 @@ def lock_path(directory: str, prefix: str) -> str:
 class DirectoryLock:
     r"""An exclusive lock on a directory's checkpoint files of one prefix.
 
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
     >>> lock = DirectoryLock(str(tmp), "regular.")
     >>> lock.acquire()
     >>> DirectoryLock(str(tmp), "regular.").acquire(wait_seconds=0)

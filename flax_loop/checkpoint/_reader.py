@@ -27,6 +27,19 @@ r"""The parts of a checkpoint file that every file holds."""
 class CheckpointFileReader:
     r"""A reader of the newest intact checkpoint file in a directory.
 
+    >>> import jax
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> import optax
+    >>> import numpy as np
+    >>> from flax_loop import TrainTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
     >>> loop = TrainLoop(init=CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init),
     ...                  task=task, rnkey=jax.random.key(0), n_steps=4, stdout=False)
     >>> loop.step     # an empty directory: training starts at step 0

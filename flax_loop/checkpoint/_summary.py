@@ -19,6 +19,16 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
     follows (examples, tokens and FLOPs a second, MFU), and its `goodput`
     (the devices' share of the interval's wall time).
 
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
     >>> sorted(train_statistics(checkpoint))  # doctest: +NORMALIZE_WHITESPACE
     ['examples_per_second', 'flops_per_second_per_device', 'flops_per_step',
      'goodput', 'gradients_l2norm', 'last_loss', 'loss', 'seconds_per_step',
@@ -58,6 +68,18 @@ def summarize(checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]) 
     A summary given in is extended: its groups are kept and `group` is
     merged; a plain checkpoint gets its `"train"` statistics first.
 
+    >>> import numpy as np
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> def accuracy(logits, labels):
+    ...     return (logits.argmax(-1) == labels).mean()
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
     >>> summary = summarize(checkpoint, "eval", {"accuracy": 0.5})
     >>> list(summary.metrics)
     ['train', 'eval']
