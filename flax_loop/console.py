@@ -2,6 +2,7 @@ r"""Summaries and the model's size on the console, through rich (process 0 only)
 
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -76,9 +77,12 @@ def _format_value(value: Any) -> str:
 
 def _title(summary: Summary) -> str:
     steps = summary.n_completed_steps
+    compiling = float(getattr(summary, "time_breakdown", {}).get("compile", 0.0))
+    notes = [f"{compiling:.2f} s of it compiling"] if compiling >= 0.01 else []
+    notes += ["preempted"] if summary.preempted else []
     return (
         f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "
-        f"{summary.elapsed_time:.2f} s" + (" (preempted)" if summary.preempted else "")
+        f"{summary.elapsed_time:.2f} s" + (f" ({', '.join(notes)})" if notes else "")
     )
 
 
@@ -96,9 +100,11 @@ def render_line(summary: Summary) -> str:
     return " | ".join(parts)
 
 
-def render_summary(summary: Summary) -> Table:
-    r"""A rich table of a summary's metrics, titled with its step and timing."""
-    table = Table(title=_title(summary), title_justify="left", show_edge=False, pad_edge=False)
+def render_summary(summary: Summary) -> Group:
+    r"""A line with the summary's step and timing, then a rich table of its
+    metrics. (The line is not the table's title: rich pads a title to the
+    table's width, leaving trailing spaces in a log file.)"""
+    table = Table(show_edge=False, pad_edge=False)
     table.add_column("group")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -108,4 +114,4 @@ def render_summary(summary: Summary) -> Table:
             continue
         for index, (name, value) in enumerate(metrics.items()):
             table.add_row(Text(group if index == 0 else ""), Text(name), _format_value(value))
-    return table
+    return Group(Text(_title(summary)), table)

@@ -14,7 +14,10 @@ from flax_loop.timing import goodput
 def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
     r"""Training statistics of a checkpoint's interval, as plain floats.
 
-    `loss` is the mean over the interval, `last_loss` the last step's; the
+    `loss` is the mean over the interval, `last_loss` the last step's;
+    `seconds_per_step` and `steps_per_second` leave out the interval's
+    compiling (the first interval's, and a changed cadence's), so they are
+    the training speed from the first checkpoint on; the
     L2 norms are global norms over every leaf; the checkpoint's `throughput`
     follows (examples, tokens and FLOPs a second, MFU), and its `goodput`
     (the devices' share of the interval's wall time).
@@ -36,6 +39,9 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
     """
     n_steps = max(int(checkpoint.n_completed_steps), 1)
     elapsed = float(checkpoint.elapsed_time)
+    compiling = float(getattr(checkpoint, "time_breakdown", {}).get("compile", 0.0))
+    if 0 < compiling < elapsed:
+        elapsed -= compiling
     mean_loss = checkpoint.mean_loss if checkpoint.mean_loss is not None else checkpoint.loss
     grads_norm, weights_norm = to_host(_global_norms(checkpoint.grads, checkpoint.model_params))
     extra = {name: float(value) for name, value in checkpoint.train_metrics.items()}
