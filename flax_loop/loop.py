@@ -72,14 +72,10 @@ class TrainLoop:
     checkpoint back with `nnx.update(model, checkpoint.model_params,
     checkpoint.model_state)`).
 
-    >>> import jax
-    >>> import optax
-    >>> import numpy as np
-    >>> import flax.linen as nn
-    >>> model = nn.Dense(3)
+    >>> import jax, optax, numpy as np, flax.linen as nn
+    >>> model, batches = nn.Dense(3), [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
     >>> def cross_entropy(logits, labels):
     ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
     >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
     >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
     ...                  n_steps=4, n_steps_per_checkpoint=2, stdout=False)
@@ -88,8 +84,7 @@ class TrainLoop:
     2 2
     4 2
 
-    Resume from the newest checkpoint file of a directory, or start afresh
-    when it holds none: `init=CheckpointFileReader(dir="ckpts", target=model.init)`.
+    Resume with `init=CheckpointFileReader(dir="ckpts", target=model.init)` (or start afresh).
 
     Args:
         init: the model's `init` function or NNX module, or a `CheckpointFileReader`
@@ -199,8 +194,7 @@ class TrainLoop:
                 profile=profile,
                 prefetch=prefetch,
             )
-            self.profile = options.profile
-            r"""the window of steps traced, if any (its `traced_steps`)."""
+            self.profile = options.profile  # the window of steps traced (`traced_steps`)
             self._runner = assemble(
                 init,
                 task,
@@ -221,9 +215,8 @@ class TrainLoop:
         return self._runner.step
 
     def memory_plan(self) -> dict[str, Any]:
-        r"""The bytes each device holds while training, by part, with their
-        `total` (`flax_loop.memory`); set-up prints it with `stdout=True`
-        and raises a `ConfigError` if it exceeds a device's reported memory."""
+        r"""The bytes each device holds while training, by part, and `total`
+        (`flax_loop.memory`); set-up refuses a plan over a device's memory."""
         return self._runner.memory_plan()
 
     @property
@@ -265,9 +258,8 @@ class TrainLoop:
 
     @property
     def compiled(self) -> CompiledSteps:
-        r"""The compiled variants of the step (`compiled.programs` by name,
-        `compiled.wait()` for those compiling in the background): for tests
-        and benchmarks, which time or count them."""
+        r"""The compiled variants of the step (`programs` by name, `wait()` for
+        those compiling in the background), for tests and benchmarks."""
         return self._runner.steps
 
     @property
