@@ -136,14 +136,24 @@ def test_the_default_policy_moves_a_slow_source_to_a_thread_that_records_states(
 
 
 def test_a_thread_gives_up_waiting_when_asked_and_keeps_the_read_for_later():
-    source = Slow(5, seconds=0.3)
+    release = threading.Event()
+
+    class Blocking(Slow):
+        """The second read waits until the test releases it."""
+
+        def __next__(self):
+            if self.position == 1:
+                release.wait(timeout=30)
+            return super().__next__()
+
+    source = Blocking(5, seconds=0)
     checked = CheckedBatches(source, Placement())
     reading = ReadAhead(checked, prefetch=1, depth=1)
     checked.accept_first(reading.first()[0][0])
-    reading.give_up = lambda: True
-    started = time.perf_counter()
+    reading.give_up = lambda: True  # a stop was requested: nobody waits for the read
     assert reading.read(2) is GAVE_UP
-    assert time.perf_counter() - started < 0.25
+    assert source.position == 1  # the read was still in progress
+    release.set()
     reading.give_up = None
     assert reading.read(2)[1] == {"position": 2}  # the read in progress, kept
     reading.drop()
