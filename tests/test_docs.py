@@ -37,7 +37,7 @@ def docstring_examples():
                 yield pytest.param(module, test, id=test.name)
 
 
-@pytest.mark.parametrize("module, test", docstring_examples())
+@pytest.mark.parametrize("module, test", list(docstring_examples()))
 def test_docstring_example(module, test):
     # Each example stands alone, as `pytest --doctest-modules --pyargs
     # flax_loop` runs it: its module's names and its own imports, nothing else.
