@@ -1,9 +1,9 @@
-"""Every `>>>` example in the package's docstrings, and README.md's "Use"
-section, runs in the suite: documentation that cannot rot.
+"""Every `>>>` example in the package's docstrings, and README.md's and the
+guides' code, runs in the suite: documentation that cannot rot.
 
-The examples share a small namespace (a digits MLP, its task and data, a
-loop, a checkpoint, a temporary directory), built lazily, the way flax's
-docstring examples assume a model and data are at hand.
+Each docstring example stands alone (its imports, a small model and its
+data are in the example, as optax's and flax's are): it is given only its
+module's names.
 """
 
 import doctest
@@ -164,3 +164,14 @@ def test_every_readme_python_block_is_valid_python():
         for module in ("os", "PartitionSpec", "functools"):
             if module in used:
                 assert re.search(rf"^(from \S+ )?import .*\b{module}\b", block, re.M), block
+
+
+def test_the_version_is_the_changelogs_newest():
+    # "## Unreleased (0.3.0)" is 0.3.0.dev0 until released; a release heading is the version
+    with open(os.path.join(ROOT, "CHANGELOG.md")) as changelog:
+        heading = next(line.strip() for line in changelog if line.startswith("## "))
+    released = re.fullmatch(r"## (\d+\.\d+\.\d+)", heading)
+    unreleased = re.fullmatch(r"## Unreleased \((\d+\.\d+\.\d+)\)", heading)
+    assert released or unreleased, heading
+    expected = released[1] if released else unreleased[1] + ".dev0"  # type: ignore[index]
+    assert flax_loop.__version__ == expected
