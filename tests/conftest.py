@@ -3,12 +3,15 @@
 import os
 import tempfile
 
-# The suite compiles hundreds of small programs; LLVM's optimization passes
-# are most of each compilation and nothing the tests assert (numbers agree
-# to their tolerances, runs compared bit for bit are compiled alike), so the
-# default run skips them: it takes 40% less CPU. FLAX_LOOP_SLOW=1 runs with
-# XLA's defaults. Worker processes inherit the flag (tests.helpers.xla_flags).
-OPTIMIZATION = "" if os.environ.get("FLAX_LOOP_SLOW") else " --xla_backend_optimization_level=0"
+from tests.flags import QUICK_COMPILE
+
+# The suite compiles hundreds of small programs, and compiling is most of its
+# time; XLA's CPU backend compiles them faster with the flags of
+# `QUICK_COMPILE` (nothing the tests assert depends on them: numbers agree to
+# their tolerances, runs compared bit for bit are compiled alike).
+# FLAX_LOOP_SLOW=1 runs with XLA's defaults. Worker processes inherit the
+# flags (tests.flags.xla_flags).
+OPTIMIZATION = "" if os.environ.get("FLAX_LOOP_SLOW") else " " + " ".join(QUICK_COMPILE)
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4" + OPTIMIZATION
 ).strip()

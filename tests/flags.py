@@ -2,13 +2,30 @@
 
 import os
 
+QUICK_COMPILE = (
+    # LLVM's optimization passes: most of a small program's compilation
+    "--xla_backend_optimization_level=0",
+    # the older elemental emitters compile small fusions faster than the
+    # fusion emitters, and one codegen module instead of parallel splits
+    # suits two cores shared by two test workers: together about half the
+    # backend compile time of a small TrainLoop
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+r"""XLA flags the default suite compiles with, for speed."""
+
 
 def xla_flags(n_devices: int) -> str:
     """XLA_FLAGS for a worker process with `n_devices` CPU devices, keeping the
-    suite's other flags (its optimization level)."""
+    suite's other flags (`QUICK_COMPILE`)."""
     kept = [
         flag
         for flag in os.environ.get("XLA_FLAGS", "").split()
         if not flag.startswith("--xla_force_host_platform_device_count")
     ]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={n_devices}"])
+
+
+def default_xla_flags(n_devices: int) -> str:
+    """As `xla_flags`, without `QUICK_COMPILE`: XLA's default compilation."""
+    return " ".join(flag for flag in xla_flags(n_devices).split() if flag not in QUICK_COMPILE)

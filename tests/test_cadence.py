@@ -1,8 +1,8 @@
 """A run computes the same bits whatever its checkpoint cadence and steps per dispatch.
 
-The suite compiles with LLVM's optimizations off (tests/conftest.py), where
-the variants of the step happened to agree even when they did not with
-XLA's defaults; so these runs happen in a process with XLA's defaults.
+The suite compiles with LLVM's optimizations off (tests/flags.py), where the
+variants of the step happened to agree even when they did not with XLA's
+defaults; so these runs happen in a process with XLA's defaults.
 """
 
 import json
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.flags import xla_flags
+from tests.flags import default_xla_flags
 from tests.helpers import ROOT
 
 PROGRAM = textwrap.dedent(
@@ -130,8 +130,7 @@ def test_params_are_bitwise_the_same_for_any_cadence_and_dispatch(n_devices, sha
     # of the step, cadences 1, 2 and 3 ended 4e-2 away from cadence 24.
     # "general": two optimizers over a layer each, run in order, with
     # compute_loss functions that call the model twice and use rng and step.
-    flags = [flag for flag in xla_flags(4).split() if "optimization_level" not in flag]
-    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+    env = {**os.environ, "XLA_FLAGS": default_xla_flags(4)}
     every_run = "all" if os.environ.get("FLAX_LOOP_SLOW") else "some"
     result = subprocess.run(
         [sys.executable, "-c", PROGRAM, str(n_devices), sharding, every_run, form],
