@@ -1,6 +1,7 @@
 """Test set-up: 4 forced CPU devices, set before JAX is imported."""
 
 import os
+import shutil
 import tempfile
 
 from tests.flags import QUICK_COMPILE
@@ -19,7 +20,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite builds the same small models again and again, in this process and
 # in the worker processes it starts (which inherit these variables): JAX's
 # persistent compilation cache compiles each only once (README: "Start fast").
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="flax_loop-jax-cache-"))
+# The process that makes the directory (the first, which xdist's workers
+# inherit it from) removes it at the end.
+OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    OWN_CACHE = tempfile.mkdtemp(prefix="flax_loop-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Worker processes read the digits from here rather than import scikit-learn.
@@ -59,3 +65,8 @@ def without_compilation_cache():
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", True)
+
+
+def pytest_unconfigure(config):
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)

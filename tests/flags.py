@@ -10,7 +10,7 @@ QUICK_COMPILE = (
     # suits two cores shared by two test workers: together about half the
     # backend compile time of a small TrainLoop
     "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_parallel_codegen_split_count=1",
+    "--xla_cpu_parallel_codegen_split_count=1",  # SERIAL_CODEGEN
 )
 r"""XLA flags the default suite compiles with, for speed."""
 
@@ -26,6 +26,11 @@ def xla_flags(n_devices: int) -> str:
     return " ".join([*kept, f"--xla_force_host_platform_device_count={n_devices}"])
 
 
+SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
+
+
 def default_xla_flags(n_devices: int) -> str:
-    """As `xla_flags`, without `QUICK_COMPILE`: XLA's default compilation."""
-    return " ".join(flag for flag in xla_flags(n_devices).split() if flag not in QUICK_COMPILE)
+    """As `xla_flags`, with XLA's default code generation: of `QUICK_COMPILE`
+    only the one codegen split is kept (the same code, compiled in one piece)."""
+    quick = set(QUICK_COMPILE) - {SERIAL_CODEGEN}
+    return " ".join(flag for flag in xla_flags(n_devices).split() if flag not in quick)

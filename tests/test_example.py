@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from tests.flags import xla_flags
 from tests.helpers import ROOT
 
 
@@ -24,7 +25,8 @@ def run_example(output_dir, n_steps):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "XLA_FLAGS": "", "COLUMNS": "100"},
+        # one device, as on a laptop; compiled as the suite compiles
+        env={**os.environ, "XLA_FLAGS": xla_flags(1), "COLUMNS": "100"},
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return result.stdout + result.stderr
