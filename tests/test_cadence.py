@@ -110,7 +110,8 @@ def runs_of(n_devices, sharding, form, every_run):
 
 SLOW = pytest.mark.skipif(
     not os.environ.get("FLAX_LOOP_SLOW"),
-    reason="FLAX_LOOP_SLOW=1: the general form on 1 device and the loss on 4 cover it",
+    reason="FLAX_LOOP_SLOW=1: the general form on 1 device and the loss on 4 devices "
+    "replicated cover it (tests/test_sharding.py runs FSDP's steps per dispatch)",
 )
 
 
@@ -119,7 +120,7 @@ SLOW = pytest.mark.skipif(
     [
         pytest.param(1, "replicated", "loss", marks=SLOW),
         (4, "replicated", "loss"),
-        (4, "fsdp", "loss"),
+        pytest.param(4, "fsdp", "loss", marks=SLOW),
         (1, "replicated", "general"),
         pytest.param(4, "fsdp", "general", marks=SLOW),
     ],
