@@ -61,10 +61,18 @@ def fresh_console():
 
 @pytest.fixture
 def without_compilation_cache():
-    """For tests that count compilations: every compilation really compiles."""
+    """For tests that count or time compilations: every compilation really compiles.
+
+    JAX decides whether to use the cache once per process, so the decision is
+    reset on both sides of the change (a config update alone changes nothing).
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     yield
     jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def pytest_unconfigure(config):

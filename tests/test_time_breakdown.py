@@ -25,7 +25,9 @@ def check_sums(breakdown):
     assert all(breakdown[part] >= 0 for part in PARTS)
 
 
-def test_the_callers_code_the_run_total_and_compiling_are_where_they_happened():
+def test_the_callers_code_the_run_total_and_compiling_are_where_they_happened(
+    without_compilation_cache,  # compiling is timed: a cached program takes none
+):
     jax.devices(), jax.random.key(0)  # the backend starts before the clock does
     started = time.perf_counter()
     loop = digits_loop(n_steps=60, n_steps_per_checkpoint=20, n_devices=1)
@@ -85,7 +87,7 @@ class Wide(nn.Module):
         return nn.Dense(10)(x)
 
 
-def test_a_heavy_step_is_device_time_and_a_changed_cadence_compiles():
+def test_a_heavy_step_is_device_time_and_a_changed_cadence_compiles(without_compilation_cache):
     data = itertools.cycle(list(itertools.islice(batches(np.tile(X, (1, 8)), Y, 256), 4)))
     loop = digits_loop(
         Wide(), data=data, n_steps=60, n_steps_per_checkpoint=20, n_devices=1, steps_per_dispatch=4
