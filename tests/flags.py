@@ -2,15 +2,18 @@
 
 import os
 
+SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
+r"""One codegen module instead of parallel splits: the same code, which suits
+two cores shared by two test workers."""
+
 QUICK_COMPILE = (
     # LLVM's optimization passes: most of a small program's compilation
     "--xla_backend_optimization_level=0",
     # the older elemental emitters compile small fusions faster than the
-    # fusion emitters, and one codegen module instead of parallel splits
-    # suits two cores shared by two test workers: together about half the
-    # backend compile time of a small TrainLoop
+    # fusion emitters; with one codegen split, about half the backend
+    # compile time of a small TrainLoop
     "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_parallel_codegen_split_count=1",  # SERIAL_CODEGEN
+    SERIAL_CODEGEN,
 )
 r"""XLA flags the default suite compiles with, for speed."""
 
@@ -24,9 +27,6 @@ def xla_flags(n_devices: int) -> str:
         if not flag.startswith("--xla_force_host_platform_device_count")
     ]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={n_devices}"])
-
-
-SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
 
 
 def default_xla_flags(n_devices: int) -> str:
