@@ -3,8 +3,8 @@
 import os
 
 SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
-r"""One codegen module instead of parallel splits: the same code, which suits
-two cores shared by two test workers."""
+r"""One codegen module instead of parallel splits: less work on two cores
+shared by two test workers (a compile setting, not an optimization level)."""
 
 QUICK_COMPILE = (
     # LLVM's optimization passes: most of a small program's compilation
@@ -30,7 +30,9 @@ def xla_flags(n_devices: int) -> str:
 
 
 def default_xla_flags(n_devices: int) -> str:
-    """As `xla_flags`, with XLA's default code generation: of `QUICK_COMPILE`
-    only the one codegen split is kept (the same code, compiled in one piece)."""
+    """As `xla_flags`, with XLA's default optimization level and emitters: of
+    `QUICK_COMPILE` only `SERIAL_CODEGEN` is kept (the cadence rows hold
+    with it; it is not the default, so a run with it is not exactly XLA's
+    default compilation)."""
     quick = set(QUICK_COMPILE) - {SERIAL_CODEGEN}
     return " ".join(flag for flag in xla_flags(n_devices).split() if flag not in quick)
