@@ -7,6 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.flags import xla_flags
 from tests.helpers import ROOT
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
@@ -17,7 +18,8 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # one CPU device, as on a laptop
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook,

@@ -1,6 +1,7 @@
 """The pure pieces, each against a reference: the update, key derivation,
 the finite check, interval statistics and the file format."""
 
+import functools
 import io
 
 import jax
@@ -20,12 +21,17 @@ from tests.helpers import MLP, cross_entropy, digits_split
 
 X, Y, _, _ = digits_split()
 MODEL = MLP(features=(16,))
-PARAMS = MODEL.init(jax.random.key(0), X[:1])["params"]
 BATCH = ((X[:32],), (Y[:32],))
 
 
+@functools.cache
+def params():
+    """The MLP's initial parameters (made when a test first asks: not at collection)."""
+    return MODEL.init(jax.random.key(0), X[:1])["params"]
+
+
 def sgd_state(lr=0.1):
-    return TrainState.create(PARAMS, {}, optax.sgd(lr).init(PARAMS), step=0)
+    return TrainState.create(params(), {}, optax.sgd(lr).init(params()), step=0)
 
 
 def test_update_is_one_sgd_step():
@@ -35,8 +41,8 @@ def test_update_is_one_sgd_step():
     def reference_loss(params):
         return cross_entropy(MODEL.apply({"params": params}, X[:32]), Y[:32])
 
-    expected_loss, expected_grads = jax.value_and_grad(reference_loss)(PARAMS)
-    expected = jax.tree.map(lambda p, g: p - 0.1 * g, PARAMS, expected_grads)
+    expected_loss, expected_grads = jax.value_and_grad(reference_loss)(params())
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params(), expected_grads)
     assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grads, expected_grads
@@ -77,10 +83,10 @@ def test_skipping_a_nonfinite_step_keeps_params_and_optimizer_state():
     update = build_update(
         MODEL.apply, nan_loss, optax.adam(0.1), [], False, None, skip_nonfinite=True
     )
-    state = TrainState.create(PARAMS, {}, optax.adam(0.1).init(PARAMS), step=3)
+    state = TrainState.create(params(), {}, optax.adam(0.1).init(params()), step=3)
     new, _ = jax.jit(update)(state, BATCH, jax.random.key(0))
     assert new.counters.tolist() == [4, 1, 4]
-    jax.tree.map(np.testing.assert_array_equal, new.model_params, PARAMS)
+    jax.tree.map(np.testing.assert_array_equal, new.model_params, params())
     jax.tree.map(np.testing.assert_array_equal, new.optimizer_state, state.optimizer_state)
     assert float(new.loss_sum) == 0.0
 
@@ -89,11 +95,11 @@ def test_close_interval_reports_and_resets():
     state = sgd_state()._replace(
         counters=jnp.asarray([12, 2, 9], jnp.int32), loss_sum=jnp.asarray(3.5, jnp.float32)
     )
-    reset, statistics = close_interval(state, PARAMS)
+    reset, statistics = close_interval(state, params())
     assert statistics.counters.tolist() == [12, 2, 9]
     assert float(statistics.loss_sum) == 3.5 and bool(statistics.finite)
     assert reset.counters.tolist() == [12, 0, 0] and float(reset.loss_sum) == 0.0
-    _, with_nan = close_interval(state, jax.tree.map(lambda g: g * jnp.nan, PARAMS))
+    _, with_nan = close_interval(state, jax.tree.map(lambda g: g * jnp.nan, params()))
     assert not bool(with_nan.finite)
 
 
