@@ -321,8 +321,14 @@ def hand_written_gan(n_steps):
     return params
 
 
-def test_a_dcgan_alternating_two_optimizers_equals_the_hand_written_step_bitwise():
-    last = run(gan_loop(20, n_steps_per_checkpoint=10))
+@pytest.fixture(scope="module")
+def gan_straight():
+    """The last checkpoint of 20 DCGAN steps, checkpoints every 10, never interrupted."""
+    return run(gan_loop(20, n_steps_per_checkpoint=10))
+
+
+def test_a_dcgan_alternating_two_optimizers_equals_the_hand_written_step_bitwise(gan_straight):
+    last = gan_straight
     same(last.model_params, hand_written_gan(20))
     assert sorted(last.optimizer_state) == ["discriminator", "generator"]
     # each optimizer's state holds moments of its own part only
@@ -336,8 +342,8 @@ def test_a_dcgan_alternating_two_optimizers_equals_the_hand_written_step_bitwise
     )
 
 
-def test_a_dcgan_resumes_from_its_checkpoint_bitwise(tmp_path):
-    straight = run(gan_loop(20, n_steps_per_checkpoint=10))
+def test_a_dcgan_resumes_from_its_checkpoint_bitwise(tmp_path, gan_straight):
+    straight = gan_straight
     with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
         for checkpoint in gan_loop(10, n_steps_per_checkpoint=10):
             write(checkpoint)
