@@ -81,8 +81,9 @@ def one_process(tmp_path_factory):
     """One process of four devices: its parameters after 20 steps, and the
     directory of a run of it stopped at step 10 (copied for each test)."""
     root = tmp_path_factory.mktemp("one-process")
-    succeed(1, "--n-steps", 20, "--out", root / "one.npz")
-    succeed(1, "--n-steps", 10, "--dir", root / "checkpoints")
+    directory = root / "checkpoints"
+    succeed(1, "--n-steps", 20, "--out", root / "one.npz", "--dir", directory, "--keep", 2)
+    (directory / "regular.20.ckpt").unlink()  # as if stopped at step 10
     return root
 
 
