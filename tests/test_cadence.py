@@ -89,11 +89,11 @@ PROGRAM = textwrap.dedent(
 # 4 steps and a closing call of 4. (3, 1) and (1, 4) call what (2, 1)
 # and (1, 1) call, and (2, 1) calls (1, 1)'s closing step too. A closing
 # call scans all its steps but the last: (2, 4) scans one step (a scan XLA
-# may unroll), (3, 4) two and (24, 4) three. By default 1 device runs
-# (2, 1), (2, 4) and (24, 4), and 4 devices (1, 1) and (24, 4), whose last
-# call is a closing call; every run with FLAX_LOOP_SLOW=1.
+# may unroll), (3, 4) two and (24, 4) three.
 RUNS = ((1, 1), (2, 1), (3, 1), (1, 4), (2, 4), (3, 4), (24, 4))
-RUNS_OF = {1: ((2, 1), (2, 4), (24, 4)), 4: ((1, 1), (24, 4))}
+DEFAULT_RUNS = ((2, 1), (2, 4), (24, 4))
+r"""By default: every kind of variant once (a step and a closing step; a
+closing call scanning one step, and one scanning three after calls of 4)."""
 
 
 def runs_of(n_devices, sharding, form, every_run):
@@ -105,7 +105,7 @@ def runs_of(n_devices, sharding, form, every_run):
     bits; every other run, and that run replicated or on 1 device, is
     bitwise equal)."""
     if not every_run:
-        return RUNS_OF[n_devices]
+        return DEFAULT_RUNS
     if (n_devices, sharding, form) == (4, "fsdp", "general"):
         return tuple(run for run in RUNS if run != (2, 4))
     return RUNS
@@ -113,8 +113,8 @@ def runs_of(n_devices, sharding, form, every_run):
 
 SLOW = pytest.mark.skipif(
     not os.environ.get("FLAX_LOOP_SLOW"),
-    reason="FLAX_LOOP_SLOW=1: the general form on 1 device and the loss on 4 devices "
-    "replicated cover it (tests/test_sharding.py runs FSDP's steps per dispatch)",
+    reason="FLAX_LOOP_SLOW=1: the general form on 4 devices replicated covers it by "
+    "default (tests/test_sharding.py runs FSDP's steps per dispatch)",
 )
 
 
@@ -122,9 +122,12 @@ SLOW = pytest.mark.skipif(
     "n_devices, sharding, form",
     [
         pytest.param(1, "replicated", "loss", marks=SLOW),
-        (4, "replicated", "loss"),
+        pytest.param(4, "replicated", "loss", marks=SLOW),
         pytest.param(4, "fsdp", "loss", marks=SLOW),
-        (1, "replicated", "general"),
+        pytest.param(1, "replicated", "general", marks=SLOW),
+        # by default: several devices (a pmean in every variant), BatchNorm,
+        # dropout, two optimizers and losses that call the model twice
+        (4, "replicated", "general"),
         pytest.param(4, "fsdp", "general", marks=SLOW),
     ],
 )
