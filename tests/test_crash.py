@@ -3,7 +3,7 @@
 A real training process writes a checkpoint every 5 steps; it is killed with
 SIGKILL at seeded random moments and restarted from its directory each time.
 At the end its parameters equal, bit for bit, those of a run never
-interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 3 to 100.
+interrupted. FLAX_LOOP_SLOW=1 raises the number of kills from 2 to 100.
 """
 
 import os
@@ -18,7 +18,7 @@ from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import TEMPORARY_PREFIX
 from tests.helpers import assert_same_arrays, directory_bytes, file_names, resume_worker, run, start
 
-N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 3
+N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 2
 # A kill lands on average 0.3 s (15 steps) after the run's first checkpoint
 # (a fixed delay after start-up left two kills in one interval on a slow
 # machine): enough steps that the run is still going after every kill.

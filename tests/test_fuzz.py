@@ -33,11 +33,11 @@ from flax_loop.checkpoint import _format
 from flax_loop.errors import CheckpointError
 from tests.helpers import MLP, batches, cross_entropy, digits_split
 
-SCALE = 1 if os.environ.get("FLAX_LOOP_SLOW") else 2
+SCALE = 1 if os.environ.get("FLAX_LOOP_SLOW") else 4
 
 
 def fuzz(max_examples):
-    """Hypothesis settings: `max_examples` with FLAX_LOOP_SLOW=1, half of them by default."""
+    """Hypothesis settings: `max_examples` with FLAX_LOOP_SLOW=1, a quarter of them by default."""
     return settings(
         max_examples=max_examples // SCALE,
         deadline=None,
