@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -286,3 +287,13 @@ def assert_close(a: Any, b: Any, rtol: float, atol: float) -> None:
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+def slow(reason: str) -> Any:
+    """Marks a test that runs only with FLAX_LOOP_SLOW=1; `reason` says what
+    the default suite runs instead."""
+    import os
+
+    return pytest.mark.skipif(
+        not os.environ.get("FLAX_LOOP_SLOW"), reason=f"FLAX_LOOP_SLOW=1 ({reason})"
+    )

@@ -15,6 +15,7 @@ from tests.helpers import (
     file_names,
     resume_worker,
     run,
+    slow,
 )
 
 grain = pytest.importorskip("grain")
@@ -75,6 +76,10 @@ def test_a_grain_dataset_is_eval_data_read_whole_each_time():
     assert second.metrics == first.metrics
 
 
+@slow(
+    "by default grain resumes bitwise in one process across an epoch, and in "
+    "two processes each reading its own shard (tests/test_multiprocess.py)"
+)
 def test_a_pipeline_with_mp_prefetch_workers_resumes_bitwise(tmp_path):
     # Two grain worker processes prefetch the batches; the run is stopped at
     # step 20 (its newest file removed) and resumed. (Across epochs: above;

@@ -31,6 +31,7 @@ from tests.helpers import (
     relative_difference,
     resume_worker,
     run,
+    slow,
 )
 
 X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
@@ -179,6 +180,11 @@ def test_files_resume_from_the_module_and_start_from_it_when_empty(tmp_path):
     )
 
 
+@slow(
+    "by default an NNX run resumes from its file bitwise in this process "
+    "(tests/test_frozen_files.py), and a linen run in a new process "
+    "(tests/test_checkpoint_files.py)"
+)
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     import os
     import shutil
