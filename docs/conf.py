@@ -25,7 +25,7 @@ author = "the flax_loop authors"
 copyright = "the flax_loop authors"  # noqa: A001 - Sphinx's name
 # Docstrings write names in single backquotes: shown as code, never as <cite>.
 default_role = "code"
-extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.intersphinx", "sphinx.ext.napoleon"]
 nb_execution_mode = "off"  # the suite runs them; pages show their stored outputs
 myst_heading_anchors = 3
 autodoc_member_order = "bysource"
@@ -36,6 +36,16 @@ autodoc_default_options = {
     "special-members": "__call__",  # EvalLoop, the writers and loggers are called
 }
 napoleon_google_docstring = True
+# Links into JAX's, Flax's and Optax's documentation, from inventories kept
+# here (docs/_inventories/make_inventories.py) so that the site builds
+# offline; the links go to the published pages.
+sys.path.insert(0, os.path.join(ROOT, "docs", "_inventories"))
+from make_inventories import PROJECTS  # noqa: E402
+
+intersphinx_mapping = {
+    name: (url, os.path.join(ROOT, "docs", "_inventories", f"{name}.inv"))
+    for name, (_, url) in PROJECTS.items()
+}
 html_theme = "furo" if __import__("importlib").util.find_spec("furo") else "alabaster"
 html_title = "flax_loop"
 exclude_patterns = ["_build"]

@@ -72,3 +72,34 @@ def test_every_public_name_is_documented(site):
             value = getattr(module, name)
             if callable(value) and name not in MODULES_NOT_NAMES:
                 assert (value.__doc__ or "").strip(), f"{name} has no docstring"
+
+
+def test_references_to_jax_flax_and_optax_link_their_published_pages(site):
+    # Every {py:...} role of the pages and guides resolves through the
+    # inventories kept in docs/_inventories (the site builds offline) to a
+    # link to the project's own documentation; the kept files are current.
+    import sys
+
+    from sphinx.util.inventory import InventoryFile
+
+    sys.path.insert(0, os.path.join(ROOT, "docs", "_inventories"))
+    from make_inventories import PROJECTS, inventory
+
+    uris = {}
+    for name, (_, base) in PROJECTS.items():
+        with open(os.path.join(ROOT, "docs", "_inventories", f"{name}.inv"), "rb") as file:
+            assert file.read() == inventory(name), f"rerun make_inventories.py ({name})"
+        for items in InventoryFile.loads(inventory(name), uri=base).data.values():
+            uris.update({target: item.uri for target, item in items.items()})
+    pages = [os.path.join(ROOT, "docs", "index.md"), os.path.join(ROOT, "docs", "api.md")]
+    guides = os.path.join(ROOT, "docs", "guides")
+    pages += [os.path.join(guides, name) for name in sorted(os.listdir(guides))]
+    html = "".join(path.read_text() for path in site.rglob("*.html"))
+    targets = set()
+    for page in pages:
+        text = open(page).read()
+        targets |= set(re.findall(r"\{py:(?:func|class)\}`(?:[^`<]*<)?~?([\w.]+)>?`", text))
+    assert len(targets) >= 10, targets
+    for target in sorted(targets):
+        assert target in uris, f"{target}: not in docs/_inventories (make_inventories.py)"
+        assert f'href="{uris[target]}"' in html, f"{target}: no link to {uris[target]}"
