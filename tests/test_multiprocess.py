@@ -5,6 +5,7 @@ ones picked by the OS.
 """
 
 import os
+import shutil
 import socket
 import sys
 import time
@@ -133,11 +134,20 @@ SLOW = bool(os.environ.get("FLAX_LOOP_SLOW"))
 
 
 @pytest.fixture(scope="module")
-def straight_fsdp(tmp_path_factory):
+def straight_fsdp_run(tmp_path_factory):
+    """One process on 4 devices, fsdp, 20 steps uninterrupted: its parameters,
+    and its directory with the files of steps 10 and 20."""
+    root = tmp_path_factory.mktemp("straight")
+    directory = root / "checkpoints"
+    options = ("--sharding", "fsdp", "--dir", directory, "--keep", 2)
+    succeed(1, "--n-steps", 20, *options, "--out", root / "one.npz")
+    return params(root / "one.npz"), directory
+
+
+@pytest.fixture(scope="module")
+def straight_fsdp(straight_fsdp_run):
     """The parameters of one process on 4 devices, fsdp, 20 steps uninterrupted."""
-    out = tmp_path_factory.mktemp("straight") / "one.npz"
-    succeed(1, "--n-steps", 20, "--sharding", "fsdp", "--out", out)
-    return params(out)
+    return straight_fsdp_run[0]
 
 
 @pytest.mark.parametrize(
@@ -154,17 +164,21 @@ def straight_fsdp(tmp_path_factory):
     ],
     ids=["1-to-2-fsdp", "2-to-1"],
 )
-def test_resume_across_process_counts(tmp_path, first, second, sharding, straight_fsdp):
+def test_resume_across_process_counts(tmp_path, first, second, sharding, straight_fsdp_run):
     directory = tmp_path / "checkpoints"
     layout = ("--sharding", sharding)
-    succeed(first, "--n-steps", 10, "--dir", directory, *layout)
+    if (first, sharding) == (1, "fsdp"):  # the straight run, as if stopped at step 10
+        shutil.copytree(straight_fsdp_run[1], directory)
+        (directory / "regular.20.ckpt").unlink()
+    else:
+        succeed(first, "--n-steps", 10, "--dir", directory, *layout)
     assert file_names(directory) == ["regular.10.ckpt"]
     results = succeed(
         second, "--n-steps", 20, "--dir", directory, "--out", tmp_path / "resumed.npz", *layout
     )
     assert all("START 10" in output for _, output in results)
     if sharding == "fsdp":
-        straight = straight_fsdp
+        straight = straight_fsdp_run[0]
     else:
         succeed(1, "--n-steps", 20, "--out", tmp_path / "straight.npz", *layout)
         straight = params(tmp_path / "straight.npz")
