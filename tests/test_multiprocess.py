@@ -144,12 +144,6 @@ def straight_fsdp_run(tmp_path_factory):
     return params(root / "one.npz"), directory
 
 
-@pytest.fixture(scope="module")
-def straight_fsdp(straight_fsdp_run):
-    """The parameters of one process on 4 devices, fsdp, 20 steps uninterrupted."""
-    return straight_fsdp_run[0]
-
-
 @pytest.mark.parametrize(
     "first, second, sharding",
     [
@@ -187,7 +181,7 @@ def test_resume_across_process_counts(tmp_path, first, second, sharding, straigh
 
 
 def test_two_processes_fsdp_write_and_resume_orbax_checkpoints_as_one_process(
-    tmp_path, straight_fsdp
+    tmp_path, straight_fsdp_run
 ):
     directory = tmp_path / "orbax"
     sharded = ("--sharding", "fsdp", "--orbax", "--dir", directory)
@@ -197,7 +191,7 @@ def test_two_processes_fsdp_write_and_resume_orbax_checkpoints_as_one_process(
     assert sorted(os.listdir(directory)) == [".lock.orbax.lock", "10"]
     results = succeed(2, "--n-steps", 20, *sharded, "--out", tmp_path / "two.npz")
     assert all("START 10" in output for _, output in results)
-    assert_close(params(tmp_path / "two.npz"), straight_fsdp, 1e-6)
+    assert_close(params(tmp_path / "two.npz"), straight_fsdp_run[0], 1e-6)
 
 
 def test_two_processes_resume_their_grain_shards_bitwise(tmp_path):
