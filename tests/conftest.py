@@ -78,24 +78,3 @@ def without_compilation_cache():
 def pytest_unconfigure(config):
     if OWN_CACHE is not None:
         shutil.rmtree(OWN_CACHE, ignore_errors=True)
-
-
-# Files whose tests start processes or compile at XLA's defaults: each runs
-# for several seconds. They run first, so that the two workers end on short
-# tests and neither waits long for the other (longest first).
-LONG_FILES = (
-    "test_cadence.py",
-    "test_multiprocess.py",
-    "test_crash.py",
-    "test_launchers.py",
-    "test_notebooks.py",
-    "test_docs_site.py",
-    "test_example.py",
-    "test_preemption.py",
-    "test_lint.py",
-    "test_grain.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in LONG_FILES)  # stable: files stay whole
