@@ -40,11 +40,10 @@ napoleon_google_docstring = True
 # here (docs/_inventories/make_inventories.py) so that the site builds
 # offline; the links go to the published pages.
 sys.path.insert(0, os.path.join(ROOT, "docs", "_inventories"))
-from make_inventories import PROJECTS  # noqa: E402
+import make_inventories  # noqa: E402
 
 intersphinx_mapping = {
-    name: (url, os.path.join(ROOT, "docs", "_inventories", f"{name}.inv"))
-    for name, (_, url) in PROJECTS.items()
+    name: (url, make_inventories.path(name)) for name, (_, url) in make_inventories.PROJECTS.items()
 }
 html_theme = "furo" if __import__("importlib").util.find_spec("furo") else "alabaster"
 html_title = "flax_loop"

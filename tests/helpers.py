@@ -1,5 +1,6 @@
 """Models, data and streams shared by the tests."""
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -289,11 +290,11 @@ def assert_close(a: Any, b: Any, rtol: float, atol: float) -> None:
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
 
 
+SLOW = bool(os.environ.get("FLAX_LOOP_SLOW"))
+r"""FLAX_LOOP_SLOW=1: the long torture runs, every cadence row and the runs marked `slow`."""
+
+
 def slow(reason: str) -> Any:
     """Marks a test that runs only with FLAX_LOOP_SLOW=1; `reason` says what
     the default suite runs instead."""
-    import os
-
-    return pytest.mark.skipif(
-        not os.environ.get("FLAX_LOOP_SLOW"), reason=f"FLAX_LOOP_SLOW=1 ({reason})"
-    )
+    return pytest.mark.skipif(not SLOW, reason=f"FLAX_LOOP_SLOW=1 ({reason})")

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from tests.flags import default_xla_flags
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SLOW, slow
 
 PROGRAM = textwrap.dedent(
     """
@@ -111,24 +111,23 @@ def runs_of(n_devices, sharding, form, every_run):
     return RUNS
 
 
-SLOW = pytest.mark.skipif(
-    not os.environ.get("FLAX_LOOP_SLOW"),
-    reason="FLAX_LOOP_SLOW=1: the general form on 4 devices replicated covers it by "
-    "default (tests/test_sharding.py runs FSDP's steps per dispatch)",
+EVERY_ROW = slow(
+    "the general form on 4 devices replicated covers it by default "
+    "(tests/test_sharding.py runs FSDP's steps per dispatch)"
 )
 
 
 @pytest.mark.parametrize(
     "n_devices, sharding, form",
     [
-        pytest.param(1, "replicated", "loss", marks=SLOW),
-        pytest.param(4, "replicated", "loss", marks=SLOW),
-        pytest.param(4, "fsdp", "loss", marks=SLOW),
-        pytest.param(1, "replicated", "general", marks=SLOW),
+        pytest.param(1, "replicated", "loss", marks=EVERY_ROW),
+        pytest.param(4, "replicated", "loss", marks=EVERY_ROW),
+        pytest.param(4, "fsdp", "loss", marks=EVERY_ROW),
+        pytest.param(1, "replicated", "general", marks=EVERY_ROW),
         # by default: several devices (a pmean in every variant), BatchNorm,
         # dropout, two optimizers and losses that call the model twice
         (4, "replicated", "general"),
-        pytest.param(4, "fsdp", "general", marks=SLOW),
+        pytest.param(4, "fsdp", "general", marks=EVERY_ROW),
     ],
 )
 def test_params_are_bitwise_the_same_for_any_cadence_and_dispatch(n_devices, sharding, form):
@@ -138,7 +137,7 @@ def test_params_are_bitwise_the_same_for_any_cadence_and_dispatch(n_devices, sha
     # "general": two optimizers over a layer each, run in order, with
     # compute_loss functions that call the model twice and use rng and step.
     env = {**os.environ, "XLA_FLAGS": default_xla_flags(4)}
-    every_run = "all" if os.environ.get("FLAX_LOOP_SLOW") else "some"
+    every_run = "all" if SLOW else "some"
     result = subprocess.run(
         [sys.executable, "-c", PROGRAM, str(n_devices), sharding, every_run, form],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,

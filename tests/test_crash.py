@@ -16,9 +16,17 @@ import pytest
 
 from flax_loop.checkpoint import _format
 from flax_loop.checkpoint._file import TEMPORARY_PREFIX
-from tests.helpers import assert_same_arrays, directory_bytes, file_names, resume_worker, run, start
+from tests.helpers import (
+    SLOW,
+    assert_same_arrays,
+    directory_bytes,
+    file_names,
+    resume_worker,
+    run,
+    start,
+)
 
-N_KILLS = 100 if os.environ.get("FLAX_LOOP_SLOW") else 2
+N_KILLS = 100 if SLOW else 2
 # A kill lands on average 0.3 s (15 steps) after the run's first checkpoint
 # (a fixed delay after start-up left two kills in one interval on a slow
 # machine): enough steps that the run is still going after every kill.

@@ -83,11 +83,11 @@ def test_references_to_jax_flax_and_optax_link_their_published_pages(site):
     from sphinx.util.inventory import InventoryFile
 
     sys.path.insert(0, os.path.join(ROOT, "docs", "_inventories"))
-    from make_inventories import PROJECTS, inventory
+    from make_inventories import PROJECTS, inventory, path
 
     uris = {}
     for name, (_, base) in PROJECTS.items():
-        with open(os.path.join(ROOT, "docs", "_inventories", f"{name}.inv"), "rb") as file:
+        with open(path(name), "rb") as file:
             assert file.read() == inventory(name), f"rerun make_inventories.py ({name})"
         for items in InventoryFile.loads(inventory(name), uri=base).data.values():
             uris.update({target: item.uri for target, item in items.items()})

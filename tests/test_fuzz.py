@@ -31,9 +31,9 @@ from flax_loop import (
 )
 from flax_loop.checkpoint import _format
 from flax_loop.errors import CheckpointError
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import MLP, SLOW, batches, cross_entropy, digits_split
 
-SCALE = 1 if os.environ.get("FLAX_LOOP_SLOW") else 4
+SCALE = 1 if SLOW else 4
 
 
 def fuzz(max_examples):

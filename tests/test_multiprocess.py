@@ -15,7 +15,7 @@ import pytest
 
 from flax_loop import CheckpointFileReader
 from flax_loop.distributed import SILENT_SECONDS
-from tests.helpers import assert_same_arrays, file_names, start
+from tests.helpers import assert_same_arrays, file_names, slow, start
 
 TIMEOUT = 240
 
@@ -130,9 +130,6 @@ def test_eval_across_processes_with_different_example_counts(tmp_path):
     assert float(result["accuracy"]) == pytest.approx(expected, abs=1e-6)
 
 
-SLOW = bool(os.environ.get("FLAX_LOOP_SLOW"))
-
-
 @pytest.fixture(scope="module")
 def straight_fsdp_run(tmp_path_factory):
     """One process on 4 devices, fsdp, 20 steps uninterrupted: its parameters,
@@ -153,7 +150,7 @@ def straight_fsdp_run(tmp_path_factory):
             2,
             1,
             "replicated",
-            marks=pytest.mark.skipif(not SLOW, reason="FLAX_LOOP_SLOW=1: the other direction"),
+            marks=slow("the other direction"),
         ),
     ],
     ids=["1-to-2-fsdp", "2-to-1"],

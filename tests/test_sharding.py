@@ -1,6 +1,5 @@
 """Sharded state: FSDP, per-leaf rules on a user mesh, Orbax checkpoints (4 CPU devices)."""
 
-import os
 import shutil
 
 import jax
@@ -33,6 +32,7 @@ from tests.helpers import (
     relative_difference,
     resume_worker,
     run,
+    slow,
 )
 
 X, Y, X_TEST, Y_TEST = digits_split()
@@ -197,9 +197,7 @@ def orbax_run(directory, n_steps, *args):
         # a new process's resume, by the fsdp case.
         pytest.param(
             "replicated",
-            marks=pytest.mark.skipif(
-                not os.environ.get("FLAX_LOOP_SLOW"), reason="FLAX_LOOP_SLOW=1: replicated too"
-            ),
+            marks=slow("replicated too"),
         ),
     ],
 )

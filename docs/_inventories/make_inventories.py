@@ -64,11 +64,15 @@ def inventory(name: str) -> bytes:
     return header.encode() + zlib.compress(lines.encode(), 9)
 
 
+def path(name: str) -> str:
+    r"""Where project `name`'s inventory is kept."""
+    return os.path.join(HERE, f"{name}.inv")
+
+
 def write(name: str) -> str:
-    path = os.path.join(HERE, f"{name}.inv")
-    with open(path, "wb") as file:
+    with open(path(name), "wb") as file:
         file.write(inventory(name))
-    return path
+    return path(name)
 
 
 if __name__ == "__main__":
