@@ -45,6 +45,10 @@ def test_signal_yields_a_preempted_checkpoint_and_restores_handlers(number):
             n_steps=100,
             n_steps_per_checkpoint=5,
             stdout=False,
+            # read inline: the default reads on a thread, ahead of the steps,
+            # when the first reads look slow (a loaded machine), and the
+            # signal would then arrive a step or two early
+            prefetch=0,
         )
         checkpoints = list(loop)
         # The signal arrives while batch 13 (0-based) is fetched for step 14:
