@@ -42,7 +42,7 @@ from flax_loop.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.checkpoint import CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.compiled import CompiledSteps
 from flax_loop.errors import ConfigError, FlaxLoopError, check_count
-from flax_loop.feed import BatchFeed
+from flax_loop.feed import BatchFeed, DispatchPlan
 from flax_loop.initial import (
     InitFn,
     Reader,
@@ -58,7 +58,6 @@ from flax_loop.memory import check_fits, describe_model, format_plan, fullest
 from flax_loop.modules import DEFAULT_STREAM, as_init, is_nnx
 from flax_loop.objective import Objective, StepInputs
 from flax_loop.parallel import DATA_AXIS, Placement
-from flax_loop.plan import DispatchPlan
 from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.profiling import ProfileSteps
 from flax_loop.progress import ProgressReport
@@ -75,8 +74,13 @@ from flax_loop.sharding import (
 from flax_loop.state import TrainState
 from flax_loop.step import NONFINITE_MODES, build_step
 from flax_loop.task import TrainTask, check_train_task
-from flax_loop.throughput import Throughput
-from flax_loop.timing import TimeBreakdown
+from flax_loop.throughput import (
+    Throughput,
+    TimeBreakdown,
+    TokenCount,
+    device_peak,
+    tokens_per_batch,
+)
 
 DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
 r"""every collection but `intermediates` may change while training."""
@@ -195,7 +199,7 @@ def assemble(
     if not placement.multiprocess:  # several processes agree on a stop at checkpoints
         feed.give_up = lambda: guard.requested  # no wait for an unused read
     inputs = _init_inputs(input_sample, feed.sample, tree, is_nnx(task.apply))
-    throughput = Throughput.of(feed, tree, placement, task.tokens)
+    throughput = _throughput(feed, tree, placement, task.tokens)
     key = as_typed_key(rnkey)
     init_labels = labels_of(collections, "init")
     annotations = None
@@ -314,4 +318,32 @@ def _init_inputs(
         "With compute_loss, the model is initialized with input_sample: pass "
         "TrainLoop(..., input_sample=x), x inputs of the model (a batch of them); "
         f"the first batch is {jax.tree.map(np.shape, given)}, not a pair (inputs, targets)."
+    )
+
+
+def _throughput(
+    feed: BatchFeed, tree: BatchTree | None, placement: Placement, tokens: TokenCount | None
+) -> Throughput:
+    r"""A run's meter, from its feed's first batch (`tree`: its structure,
+    for a `compute_loss` task) and its devices.
+
+    Raises:
+        ConfigError: for a `tokens` that fails.
+    """
+    sample = feed.sample
+    if tree is None:
+        inputs, targets = sample
+        one_each = len(inputs) == len(targets) == 1
+        given = (inputs[0], targets[0]) if one_each else (inputs, targets)
+        first_input = inputs[0] if inputs else None
+    else:
+        given = tree.unflatten(sample)
+        first_input = jax.tree.leaves(sample)[0]
+    processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
+    counted = tokens_per_batch(tokens, given, first_input)
+    return Throughput(
+        examples_per_step=feed.spec.batch_size * processes,
+        tokens_per_step=None if counted is None else counted * processes,
+        n_devices=placement.n_devices,
+        peak_flops=device_peak(placement.devices[0]),
     )

@@ -13,7 +13,6 @@ become numpy arrays (JAX arrays are kept as they are), with 64-bit types
 narrowed as JAX narrows them unless `jax_enable_x64` is set.
 """
 
-import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -223,34 +222,6 @@ class BatchSpec:
         shapes = [shape for shape, _ in self.inputs + self.targets]
         leading_size(shapes, n_shards=n_shards, step=step, described=self.describe())
 
-    def fast_path(self, raw: Any) -> Batch | None:
-        r"""The normalized batch if `raw` is a plain `(x, y)` of numpy arrays of
-        exactly this spec; `None` otherwise (then normalize and validate).
-
-        The common case costs a few attribute reads per step this way.
-        """
-        plain = self._plain
-        if plain is not None and type(raw) in (tuple, list) and len(raw) == 2:
-            x, y = raw
-            x_shape, x_dtype, y_shape, y_dtype = plain
-            if (
-                type(x) is np.ndarray
-                and type(y) is np.ndarray
-                and x.shape == x_shape
-                and y.shape == y_shape
-                and x.dtype == x_dtype
-                and y.dtype == y_dtype
-            ):
-                return (x,), (y,)
-        return None
-
-    @functools.cached_property
-    def _plain(self) -> tuple[Any, ...] | None:
-        r"""`(x shape, x dtype, y shape, y dtype)` for one input and one target."""
-        if len(self.inputs) != 1 or len(self.targets) != 1:
-            return None
-        return (*self.inputs[0], *self.targets[0])
-
     def shorter(self, batch: Batch) -> bool:
         r"""Whether `batch` is this spec but for a smaller batch size."""
         received = BatchSpec.of(batch)
@@ -328,3 +299,30 @@ def leading_size(
             f"of {n_shards}."
         )
     return int(size)
+
+
+def stack(batches: list[Batch]) -> Batch:
+    r"""Stacks batches along a new leading axis, for several steps per dispatch."""
+    first = batches[0]
+    return tuple(  # type: ignore[return-value]
+        tuple(
+            _stack_leaves([batch[group][index] for batch in batches])
+            for index in range(len(first[group]))
+        )
+        for group in range(len(first))
+    )
+
+
+def _stack_leaves(leaves: list[Any]) -> np.ndarray:
+    first = leaves[0]
+    if type(first) is not np.ndarray or first.dtype.hasobject:
+        return np.stack(leaves)
+    shape = (len(leaves), *first.shape)
+    try:
+        # One copy, by bytes.join, which beats np.concatenate and np.stack (a
+        # view per leaf) on a dispatch's small batches. The leaves share the
+        # first batch's dtype (each batch was checked against it).
+        joined = b"".join(leaves)
+    except (BufferError, TypeError, ValueError):  # not C-contiguous
+        return np.concatenate(leaves).reshape(shape)
+    return np.frombuffer(joined, first.dtype).reshape(shape)

@@ -1,6 +1,6 @@
 r"""The update compiled in the variants a `DispatchPlan` calls, and when each compiles.
 
-The variants (`flax_loop.plan`): a step, the last step of an interval (which
+The variants (`flax_loop.feed`): a step, the last step of an interval (which
 also returns its gradients and closes the interval), with
 `steps_per_dispatch > 1` several steps in one call and the interval's last
 steps in one call that also closes it; a stream's shorter last batch gets a
@@ -19,11 +19,11 @@ import jax
 import numpy as np
 
 from flax_loop.batch import Batch
+from flax_loop.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.initial import run_once, run_once_options
 from flax_loop.lowering import lower_update
 from flax_loop.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
 from flax_loop.parallel import Placement
-from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.state import TrainState, close_interval
 from flax_loop.step import Update
 
@@ -117,7 +117,7 @@ def _with_sums(
 class CompiledSteps:
     r"""The update compiled in the variants a `DispatchPlan` calls.
 
-    `programs` maps each variant's name (`flax_loop.plan`) to the program
+    `programs` maps each variant's name (`flax_loop.feed`) to the program
     that runs it, `program(state, batch, key)`: `ONE` and `MANY` return
     `(state, loss)`, `LAST` and `MANY_LAST` (which close the interval)
     `(state, loss, grads, statistics)` (the loss a vector of every step's
@@ -246,7 +246,7 @@ class CompiledSteps:
             if name != first
         }
         self.programs: dict[str, Any] = {SHORTER: self._shorter_step}
-        r"""the program of each variant, by name (`flax_loop.plan`)."""
+        r"""the program of each variant, by name (`flax_loop.feed`)."""
         # the closing groups compiled (or compiling), by size: a changed cadence
         # ends its intervals with a group of another size
         self._closing_groups: dict[int, Any] = {}
@@ -332,11 +332,13 @@ class CompiledSteps:
         copying = jax.jit(copy, out_shardings=placement.replicated).lower(abstract)
         return copying.compile(run_once_options())
 
-    def copy(self, state: Any) -> dict[str, Any]:
-        r"""The saved state's arrays (`TrainState.saved_arrays`) as fresh
-        arrays, which outlive the loop's donation of its own to the next step
-        (a checkpoint's)."""
-        return self._copy(state)
+    def copier(self) -> Callable[[Any], dict[str, Any]]:
+        r"""`copy(state)`: the saved state's arrays (`TrainState.saved_arrays`)
+        as fresh arrays, which outlive the loop's donation of its own to the
+        next step (a checkpoint's); compiled, once this returns."""
+        if isinstance(self._copy, _Compiling):
+            self._copy = self._copy.result()
+        return self._copy
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""

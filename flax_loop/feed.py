@@ -1,18 +1,35 @@
-r"""The batch feed's last stage: batches grouped and placed for the compiled steps.
+r"""The dispatch plan, and the feed's last stage: batches grouped and placed
+for the compiled steps.
 
-The loop asks the feed for the next dispatch; the feed answers with a batch
-ready for the compiled step, how many steps it holds, and whether it is the
-last of the interval (the last step also returns its gradients). To know
-that, it reads one batch ahead, except at an interval's planned end, so
-that a checkpoint's data state is the state after its last trained batch.
+An interval of `every` steps (`n_steps_per_checkpoint`) is dispatched as
+compiled calls. With one step a dispatch, each step is a call of `ONE`,
+and the interval's last step a call of `LAST`, which also returns its
+gradients and closes the interval (its statistics come back with it). With
+`steps_per_dispatch=K`, whole groups of K steps run as `MANY` (a scan), and
+the steps that remain, if more than one, as one call of `MANY_LAST`, which
+closes the interval as `LAST` does:
 
-Its batches come from two stages: `CheckedBatches` (`flax_loop.checked`:
-read from the task's data, normalized, checked against the first batch) and
-`ReadAhead` (`flax_loop.readahead`: inline, or on a thread for a slow
-source, with the data state recorded per batch while a thread reads).
+>>> DispatchPlan(every=3).dispatches()
+[('one', 1), ('one', 1), ('last', 1)]
+>>> DispatchPlan(every=100, steps_per_dispatch=32).dispatches()
+[('many', 32), ('many', 32), ('many', 32), ('many_last', 4)]
+>>> DispatchPlan(every=97, steps_per_dispatch=32).dispatches()
+[('many', 32), ('many', 32), ('many', 32), ('last', 1)]
+
+The plan is what the loop intends; the data may cut a dispatch short: a
+stream that ends, a stop request, or a stream's shorter last batch (`SHORTER`,
+compiled for its size) turn the rest of an interval into single steps, the
+last of them closing it.
+
+`BatchFeed` takes each dispatch's batches: a batch ready for the compiled
+step, how many steps it holds, the variant that runs it and whether it ends
+the interval. It reads one batch ahead, except at an interval's planned
+end, so that a checkpoint's data state is that after its last trained
+batch. Its batches come from `CheckedBatches` (`flax_loop.source`: read,
+normalized, checked) through `ReadAhead` (`flax_loop.readahead`: inline, or
+on a thread for a slow source).
 
 >>> import numpy as np
->>> from flax_loop.feed import BatchFeed
 >>> from flax_loop.parallel import Placement
 >>> feed = BatchFeed([(np.zeros((8, 3)), np.zeros(8))] * 2, Placement(), steps_per_dispatch=1)
 >>> batch, n_steps, variant, last = feed.take(1, remaining=10, stopping=False, next_step=1)
@@ -23,20 +40,118 @@ source, with the data state recorded per batch while a thread reads).
 import copy
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 
 from flax_loop import distributed
-from flax_loop.batch import Batch, BatchSpec, normalize_batch
-from flax_loop.checked import CheckedBatches
+from flax_loop.batch import Batch, BatchSpec, normalize_batch, stack
 from flax_loop.log import log
 from flax_loop.parallel import Placement
-from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER
-from flax_loop.readahead import GAVE_UP, PREFETCH_AFTER_SECONDS, PROBE_READS, ReadAhead
+from flax_loop.readahead import GAVE_UP, ReadAhead
+from flax_loop.source import CheckedBatches
 
-__all__ = ["PER_PROCESS", "PREFETCH_AFTER_SECONDS", "PROBE_READS", "BatchFeed", "Dispatch"]
+ONE = "one"
+r"""One step."""
+
+LAST = "last"
+r"""One step that ends the interval: it also returns the gradients and the
+interval's statistics, and resets them."""
+
+MANY = "many"
+r"""`steps_per_dispatch` steps in one call (a `jax.lax.scan` over stacked batches)."""
+
+MANY_LAST = "many_last"
+r"""The steps that end an interval in one call: a scan of all but the last,
+then the last as `LAST` runs it."""
+
+SHORTER = "shorter"
+r"""One step on a stream's shorter last batch, compiled for its size."""
+
+VARIANTS = (ONE, LAST, MANY, MANY_LAST)
+r"""The variants compiled for the batch size (`SHORTER` is compiled per size)."""
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    r"""The dispatches of an interval of `every` steps at `steps_per_dispatch`.
+
+    Args:
+        every: the steps between checkpoints.
+        steps_per_dispatch: the steps of a whole group.
+    """
+
+    every: int
+    steps_per_dispatch: int = 1
+    closing_steps: int = field(init=False)
+    r"""the steps of the one call that ends a whole interval, if several;
+    else 0 (the interval ends with a single `LAST` step)."""
+
+    def __post_init__(self) -> None:
+        every, many = self.every, self.steps_per_dispatch
+        tail = every - many * ((every - 1) // many) if many > 1 else 0
+        object.__setattr__(self, "closing_steps", tail if tail > 1 else 0)
+
+    def group(self, remaining: int) -> int:
+        r"""How many steps the next dispatch of an interval with `remaining`
+        steps to go stacks (1: a single step).
+
+        Whole groups while more than a group remains; the closing group when
+        exactly its steps remain; single steps otherwise (an interval cut
+        short by `n_steps`, or that a stop or a resume began elsewhere).
+
+        >>> plan = DispatchPlan(every=100, steps_per_dispatch=32)
+        >>> plan.group(100), plan.group(36), plan.group(4), plan.group(3)
+        (32, 32, 4, 1)
+        """
+        many = self.steps_per_dispatch
+        if many > 1 and (remaining > many or remaining == self.closing_steps):
+            return min(remaining, many)
+        return 1
+
+    def dispatches(self, remaining: int | None = None) -> list[tuple[str, int]]:
+        r"""`(variant, steps)` of every dispatch of an interval of `remaining`
+        steps (a whole interval by default), when the data cuts none short:
+        a list as long as the interval's dispatches (the loop asks `group`
+        one dispatch at a time instead)."""
+        remaining = self.every if remaining is None else remaining
+        planned = []
+        while remaining:
+            n_steps = self.group(remaining)
+            remaining -= n_steps
+            planned.append((variant(n_steps, last=not remaining, short=False), n_steps))
+        return planned
+
+    def needed(self) -> list[str]:
+        r"""The variants a whole interval calls, the first dispatch's first,
+        then `LAST` (which ends an interval a stop cuts short too).
+
+        >>> DispatchPlan(1).needed(), DispatchPlan(10).needed()
+        (['last'], ['one', 'last'])
+        >>> DispatchPlan(100, 32).needed(), DispatchPlan(32, 32).needed()
+        (['many', 'many_last', 'last'], ['many_last', 'last'])
+        """
+        # in closed form: an interval may be 10**9 steps long
+        if self.steps_per_dispatch == 1:
+            return [LAST] if self.every == 1 else [ONE, LAST]
+        needed = [MANY] if self.every > self.steps_per_dispatch else []
+        return needed + ([MANY_LAST] if self.closing_steps else []) + [LAST]
+
+
+def variant(n_steps: int, last: bool, short: bool) -> str:
+    r"""The variant that runs a dispatch of `n_steps` read batches: `last`
+    when it ends the interval, `short` for a stream's shorter last batch.
+
+    >>> variant(1, last=False, short=False), variant(4, last=True, short=False)
+    ('one', 'many_last')
+    """
+    if short:
+        return SHORTER
+    if n_steps > 1:
+        return MANY_LAST if last else MANY
+    return LAST if last else ONE
+
 
 PER_PROCESS = "flax_loop/per_process"
 r"""The key of a data state saved by several processes, one per process."""
@@ -45,7 +160,7 @@ r"""The key of a data state saved by several processes, one per process."""
 Dispatch = tuple[Any, int, str, bool]
 r"""What the loop dispatches next, a plain tuple (the cheapest to make, per
 step): the batch (one, or `n_steps` stacked, placed as the compiled step
-takes them); `n_steps`; the variant that runs it (`flax_loop.plan`: a
+takes them); `n_steps`; the variant that runs it (`DispatchPlan`'s: a
 stream's shorter last batch needs a step compiled for its size); whether it
 ends the interval (its step returns the gradients)."""
 
@@ -118,7 +233,7 @@ class BatchFeed:
             # compiled for numpy inputs takes them faster per small step than one
             # compiled for placed arrays (benchmarks/loop_overhead.py).
             return self._place(self.sample)
-        stacked = _stack([self.sample] * n_steps)
+        stacked = stack([self.sample] * n_steps)
         if self._placement.multiprocess:
             stacked = self._placement.shard_batch(stacked, stacked=True)
         return stacked
@@ -157,7 +272,7 @@ class BatchFeed:
                     items = [popleft() for _ in range(group)]
                     self._taken = items, self._taken_state
                     self._taken_state = items[-1][1]
-                    stacked = _stack([item[0] for item in items])
+                    stacked = stack([item[0] for item in items])
                     if self._placement.multiprocess:  # else numpy, as the step was compiled
                         stacked = self._placement.shard_batch(stacked, stacked=True)
                     return stacked, group, MANY_LAST if closing else MANY, closing
@@ -268,30 +383,3 @@ class BatchFeed:
 
 def _as_is(batch: Batch) -> Batch:
     return batch
-
-
-def _stack(batches: list[Batch]) -> Batch:
-    r"""Stacks batches along a new leading axis, for several steps per dispatch."""
-    first = batches[0]
-    return tuple(  # type: ignore[return-value]
-        tuple(
-            _stack_leaves([batch[group][index] for batch in batches])
-            for index in range(len(first[group]))
-        )
-        for group in range(len(first))
-    )
-
-
-def _stack_leaves(leaves: list[Any]) -> np.ndarray:
-    first = leaves[0]
-    if type(first) is not np.ndarray or first.dtype.hasobject:
-        return np.stack(leaves)
-    shape = (len(leaves), *first.shape)
-    try:
-        # One copy, by bytes.join: 32 batches of 32x64 float32 in 10 us, where
-        # np.concatenate takes 16 and np.stack (a view per leaf) 29. The leaves
-        # share the first batch's dtype (each batch was checked against it).
-        joined = b"".join(leaves)
-    except (BufferError, TypeError, ValueError):  # not C-contiguous
-        return np.concatenate(leaves).reshape(shape)
-    return np.frombuffer(joined, first.dtype).reshape(shape)

@@ -7,6 +7,7 @@ and assembles the `Checkpoint` with the data state of that moment.
 """
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,10 +37,10 @@ def _stacked(*losses: jax.Array) -> jax.Array:
 class LossHistory:
     r"""Every step's loss of an interval, kept on the devices, read at its checkpoint.
 
-    Reading a device array costs ~15 us on a CPU, as much as a small model's
-    step, so the dispatches' losses (a scalar, or a vector for several steps
-    a dispatch) are stacked on the devices in chunks of `CHUNK` (one
-    dispatch, ~1 us a step) and each chunk crosses to the host at once.
+    Reading a device array costs the host as much as a small model's step,
+    so the dispatches' losses (a scalar, or a vector for several steps a
+    dispatch) are stacked on the devices in chunks of `CHUNK` (one cheap
+    dispatch) and each chunk crosses to the host at once.
 
     >>> history = LossHistory()
     >>> for value in range(70):
@@ -99,7 +100,7 @@ class Intervals:
     r"""A loop's intervals between checkpoints.
 
     Args:
-        steps: the compiled steps (their `copy` and `close_interval`).
+        steps: the compiled steps (their `copier` and `close_interval`).
         placement: the devices.
         feed: the data feed (its state goes into each checkpoint).
         rnkey: the run's key, stored with each checkpoint.
@@ -126,6 +127,7 @@ class Intervals:
         self.losses = LossHistory()
         r"""the interval's losses as the steps returned them (the loop notes them)."""
         self._last: Checkpoint | None = None
+        self._copy: Callable[[TrainState], dict[str, Any]] | None = None
 
     def close(
         self,
@@ -153,7 +155,9 @@ class Intervals:
                 finite and the loop was told to raise.
         """
         n_completed = step - self.start
-        arrays = self._steps.copy(state)
+        if self._copy is None:  # compiled in the background meanwhile
+            self._copy = self._steps.copier()
+        arrays = self._copy(state)
         params, optimizer_state = arrays["model_params"], arrays["optimizer_state"]
         history = self.losses.read()
         statistics = None

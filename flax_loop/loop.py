@@ -221,7 +221,7 @@ class TrainLoop:
 
     @property
     def time_breakdown(self) -> dict[str, float]:
-        r"""where the run's time went so far, in seconds (`flax_loop.timing`);
+        r"""where the run's time went so far, in seconds (`flax_loop.throughput`);
         each checkpoint's `time_breakdown` holds its interval's."""
         return self._runner.times.totals()
 

@@ -39,8 +39,8 @@ from flax_loop.errors import ConfigError
 if TYPE_CHECKING:
     from flax import nnx
 
-# flax.nnx is imported where an NNX module is used, never for a linen program
-# (importing it costs ~0.7 s here: every process that trains linen saves it).
+# flax.nnx is imported where an NNX module is used, never for a linen program:
+# its import is a noticeable part of every process's start.
 
 DEFAULT_STREAM = "default"
 r"""The RNG label an NNX model's streams are reseeded from when none is named."""

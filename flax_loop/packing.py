@@ -1,8 +1,8 @@
 r"""The training state carried between steps as a few flat arrays.
 
 Each array a compiled call takes or returns costs the host a fixed amount
-(argument checks, buffer bookkeeping, a Python object for each output): on
-this project's 2-core CPU, ~4-6 us a leaf, measured. A small model's state
+(argument checks, buffer bookkeeping, a Python object for each output;
+benchmarks/README.md, "Packed state", measures it). A small model's state
 has dozens of leaves (a kernel and a bias per layer, and their two Adam
 moments), which make most of its step. So the leaves of a replicated state
 of at most `MAX_LEAF_BYTES` each travel between steps concatenated, one flat
@@ -38,9 +38,9 @@ r"""Leaves of at most this many bytes are packed (benchmarks/README.md,
 
 MAX_STATE_BYTES = 1 << 20
 r"""A state of more bytes than this travels unpacked: its step is long enough
-that the arrays a call passes are no measurable part of it (a CNN's 5 MB
-state: ~40 small leaves, ~0.2 ms of a ~65 ms step), and packed against
-unpacked runs of that CNN could not tell a gain from a loss."""
+that the arrays a call passes are no measurable part of it, and packed
+against unpacked runs of such a CNN (benchmarks/loop_overhead.py) could
+not tell a gain from a loss."""
 
 
 class _Slot(NamedTuple):

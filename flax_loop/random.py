@@ -137,17 +137,6 @@ def split_per_device(key: Any, n_devices: int) -> jax.Array:
     return jax.random.split(as_typed_key(key), n_devices)
 
 
-def key_data(key: jax.Array) -> tuple[str, np.ndarray]:
-    r"""The implementation name and raw data of a typed key, for files."""
-    impl = str(jax.random.key_impl(key))
-    return impl, np.asarray(jax.random.key_data(key))
-
-
-def key_from_data(impl: str, data: np.ndarray) -> jax.Array:
-    r"""Rebuilds a typed key from `key_data`'s output."""
-    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
-
-
 def labels_of(collections: Mapping[str, Sequence[str]] | None, kind: str) -> list[str]:
     r"""The RNG labels for `kind` ("init" or "apply") in `collections`.
 

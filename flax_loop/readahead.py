@@ -11,7 +11,7 @@ read. A source that fails on its first read from the thread is read inline
 from then on, if it reads there.
 
 >>> import numpy as np
->>> from flax_loop.checked import CheckedBatches
+>>> from flax_loop.source import CheckedBatches
 >>> from flax_loop.parallel import Placement
 >>> from flax_loop.readahead import ReadAhead
 >>> batches = CheckedBatches([(np.zeros((8, 3)), np.zeros(8))] * 3, Placement())
@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 from flax_loop.batch import Batch
-from flax_loop.checked import CheckedBatches
 from flax_loop.errors import FlaxLoopError
 from flax_loop.log import log
 from flax_loop.prefetch import ENDED, GAVE_UP, Failed, Prefetcher
+from flax_loop.source import CheckedBatches
 
 PREFETCH_AFTER_SECONDS = 2e-4
 r"""With the default `prefetch=None`, a source whose first reads took this

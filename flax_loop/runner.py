@@ -24,16 +24,14 @@ from flax_loop import distributed, memory
 from flax_loop.checkpoint import Checkpoint, Saved
 from flax_loop.compiled import CompiledSteps
 from flax_loop.errors import DataExhaustedError, StateLostError
-from flax_loop.feed import BatchFeed
+from flax_loop.feed import BatchFeed, DispatchPlan
 from flax_loop.interval import Intervals
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
-from flax_loop.plan import DispatchPlan
 from flax_loop.preemption import PreemptionGuard, quiet_interrupt
 from flax_loop.profiling import ProfileSteps
 from flax_loop.progress import ProgressReport
-from flax_loop.throughput import Throughput
-from flax_loop.timing import TimeBreakdown, done_line
+from flax_loop.throughput import Throughput, TimeBreakdown, done_line
 
 INTERRUPTED = (
     "interrupted at step {step:,}: the steps since the last checkpoint written are in "
@@ -219,7 +217,7 @@ class Runner:
             report.start(self.step, total)
         started = mark = time.perf_counter()
         compiled_before = self.steps.compile_seconds
-        data = device = 0.0  # seconds waiting for batches, dispatching (timing.py)
+        data = device = 0.0  # seconds waiting for batches, dispatching (throughput.py)
         # The per-step path reads locals only: each attribute lookup or call
         # here is a measurable part of a small model's step.
         programs, take, group = self.steps.programs, self.feed.take, self.plan.group

@@ -27,7 +27,7 @@ class TrainState(NamedTuple):
     r"""int32[3]: the number of completed steps; since the last checkpoint, the
     number of steps whose loss (or, when skipping, gradient) was not finite
     and the first such step (0 if none). One array, not three: every leaf
-    costs each step ~0.7 us to pass."""
+    a step passes costs the host a fixed amount."""
 
     model_params: Any
     r"""the model's parameters."""

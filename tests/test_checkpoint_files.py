@@ -17,7 +17,7 @@ from flax_loop import (
     LowestCheckpointFileWriter,
     Summary,
 )
-from flax_loop.checkpoint import _format
+from flax_loop.checkpoint import _format, _parse
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -104,7 +104,7 @@ def _truncate(path):
 
 
 def _flip_array_byte(path):
-    _, meta = _format.read(path)
+    _, meta = _parse.read(path)
     with open(path, "rb") as stream:
         data = bytearray(stream.read())
     # Flip a byte in the middle of the data region (inside an array).

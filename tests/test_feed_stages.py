@@ -6,13 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from flax_loop.checked import CheckedBatches
 from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
-from flax_loop.feed import BatchFeed
+from flax_loop.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, BatchFeed
 from flax_loop.parallel import Placement
-from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER
 from flax_loop.prefetch import GAVE_UP
 from flax_loop.readahead import PROBE_READS, ReadAhead
+from flax_loop.source import CheckedBatches
 
 
 def batch(size=8, features=3, value=0.0):

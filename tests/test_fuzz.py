@@ -29,7 +29,7 @@ from flax_loop import (
     TrainTask,
     set_console,
 )
-from flax_loop.checkpoint import _format
+from flax_loop.checkpoint import _format, _parse
 from flax_loop.errors import CheckpointError
 from tests.helpers import MLP, SLOW, batches, cross_entropy, digits_split
 
@@ -339,7 +339,7 @@ def test_length_fields_larger_than_the_file_allocate_nothing(place, valid):
                 path = os.path.join(place, "regular.1.ckpt")
                 with open(path, "wb") as handle:
                     handle.write(data)
-                _format.read(path)
+                _parse.read(path)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -32,15 +32,15 @@ def test_clean(command):
 LAYERS = {
     "base": [
         "errors", "_lazy", "version", "log", "random", "preemption", "parallel",
-        "distributed", "timing", "memory", "packing", "plan", "prefetch",
+        "distributed", "throughput", "memory", "packing", "prefetch",
         "progress", "profiling",
     ],
     "checkpoint": ["checkpoint"],
     "models": ["batch", "model", "modules", "trainable", "objective", "task"],
-    "data": ["source", "checked", "readahead", "feed"],
+    "data": ["source", "readahead", "feed"],
     "training": [
         "state", "sharding", "initial", "step", "lowering", "compiled", "interval",
-        "throughput", "runner", "assemble", "loop", "training",
+        "runner", "assemble", "loop", "training",
     ],
     "evaluation": ["evaluation"],
     "output": [

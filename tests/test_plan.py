@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from flax_loop.checkpoint import Checkpoint, CheckpointFile, SavedState
-from flax_loop.feed import BatchFeed
+from flax_loop.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, BatchFeed, DispatchPlan, variant
 from flax_loop.parallel import Placement
-from flax_loop.plan import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan, variant
 from tests.helpers import ResumableBatches, digits_loop, digits_split
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.errors import ConfigError
-from flax_loop.feed import PROBE_READS
+from flax_loop.readahead import PROBE_READS
 from tests.helpers import (
     MLP,
     FlakyBatches,

@@ -14,7 +14,7 @@ from flax_loop import (
     CheckpointFileReader,
     CheckpointFileWriter,
 )
-from flax_loop.checkpoint import _format, _lock
+from flax_loop.checkpoint import _lock, _parse
 from flax_loop.errors import CheckpointError
 from tests.helpers import (
     MLP,
@@ -60,7 +60,7 @@ def test_a_background_write_records_the_data_position_of_its_step(tmp_path):
             writer(checkpoint)
             assert checkpoint.data_state == {"position": checkpoint.step}
     for step in (5, 10, 15, 20):
-        _, meta = _format.read(str(tmp_path / f"regular.{step}.ckpt"))
+        _, meta = _parse.read(str(tmp_path / f"regular.{step}.ckpt"))
         assert meta["data_state"] == {"position": step}, step
 
 
@@ -126,14 +126,14 @@ def test_a_background_write_that_fails_at_exit_exits_non_zero(tmp_path):
     program = textwrap.dedent(
         f"""
         import errno, jax
-        from flax_loop.checkpoint import _file
+        from flax_loop.checkpoint import _format
         from tests.helpers import digits_loop
         from flax_loop import CheckpointFileWriter
 
         checkpoint = digits_loop(n_steps=2, devices=jax.devices()[:1]).next_checkpoint()
         def full_disk(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        _file.save = full_disk
+        _format.save = full_disk
         CheckpointFileWriter(output_dir={str(tmp_path)!r}, background=True)(checkpoint)
         # The writer is gone (made for one call) once its write has failed.
         import gc, time

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter, Summary, SummaryLogger, cli
-from flax_loop.checkpoint import _format, _lock, list_checkpoints
+from flax_loop.checkpoint import _format, _lock, _parse, list_checkpoints
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.log import set_console
 from tests.helpers import ROOT, digits_loop, digits_split, file_names
@@ -317,7 +317,7 @@ def test_a_table_of_overlapping_entries_is_damage_read_in_bounded_memory(tmp_pat
 
     _rewrite_footer(path, many_views)
     with pytest.raises(CheckpointCorruptError, match="overlap"):
-        _format.read(str(path))
+        _parse.read(str(path))
     code, out = cli_output("verify", str(tmp_path))
     assert code == cli.EXIT_DAMAGED and "overlap" in out
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from flax_loop.timing import PARTS, describe, goodput
+from flax_loop.throughput import PARTS, describe, goodput
 from tests.helpers import batches, digits_loop, digits_split
 
 X, Y, _, _ = digits_split()

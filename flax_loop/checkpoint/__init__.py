@@ -13,8 +13,15 @@ if TYPE_CHECKING:
         LowestCheckpointFileReader,
         LowestCheckpointFileWriter,
     )
-    from flax_loop.checkpoint._checkpoint import Checkpoint, Metrics, Summary, expect
-    from flax_loop.checkpoint._file import CheckpointFile
+    from flax_loop.checkpoint._checkpoint import (
+        Checkpoint,
+        CheckpointFile,
+        Metrics,
+        Saved,
+        SavedState,
+        Summary,
+        expect,
+    )
     from flax_loop.checkpoint._inventory import (
         CheckpointContents,
         CheckpointEntry,
@@ -29,7 +36,6 @@ if TYPE_CHECKING:
     )
     from flax_loop.checkpoint._orbax_reader import OrbaxCheckpointReader
     from flax_loop.checkpoint._reader import CheckpointFileReader
-    from flax_loop.checkpoint._saved import Saved, SavedState
     from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
     from flax_loop.checkpoint._writer import CheckpointFileWriter
 
@@ -42,7 +48,7 @@ _HOMES = {
     "Metrics": "flax_loop.checkpoint._checkpoint",
     "Summary": "flax_loop.checkpoint._checkpoint",
     "expect": "flax_loop.checkpoint._checkpoint",
-    "CheckpointFile": "flax_loop.checkpoint._file",
+    "CheckpointFile": "flax_loop.checkpoint._checkpoint",
     "CheckpointContents": "flax_loop.checkpoint._inventory",
     "CheckpointEntry": "flax_loop.checkpoint._inventory",
     "list_checkpoints": "flax_loop.checkpoint._inventory",
@@ -53,8 +59,8 @@ _HOMES = {
     "OrbaxCheckpointReader": "flax_loop.checkpoint._orbax_reader",
     "OrbaxCheckpointWriter": "flax_loop.checkpoint._orbax",
     "CheckpointFileReader": "flax_loop.checkpoint._reader",
-    "Saved": "flax_loop.checkpoint._saved",
-    "SavedState": "flax_loop.checkpoint._saved",
+    "Saved": "flax_loop.checkpoint._checkpoint",
+    "SavedState": "flax_loop.checkpoint._checkpoint",
     "as_summary": "flax_loop.checkpoint._summary",
     "summarize": "flax_loop.checkpoint._summary",
     "train_statistics": "flax_loop.checkpoint._summary",

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from flax_loop.checkpoint._checkpoint import Summary, expect
-from flax_loop.checkpoint._file import quote
+from flax_loop.checkpoint._format import quote
 from flax_loop.checkpoint._reader import CheckpointFileReader
 from flax_loop.checkpoint._writer import CheckpointFileWriter
 from flax_loop.errors import ConfigError, MetricError

@@ -1,18 +1,170 @@
-r"""The training state handed to the caller, and the same with metrics.
+r"""`SavedState`: the one record of what a checkpoint saves, and its forms.
 
-A `Checkpoint` is the saved state (`SavedState`'s fields) plus what the
-loop measured over the interval that ended at it.
+The state a run resumes from is declared once, here: the arrays (parameters,
+the model's other collections, the optimizer's state, the moving average of
+the parameters) and what places the run in its streams (the step, the run's
+key, the data iterator's state). Every form of it is this record plus its
+own extras: a `Checkpoint` adds the interval's statistics, a
+`CheckpointFile` its metrics, format version and path. They convert into
+each other by the record's field names, never field by field:
+
+>>> import jax
+>>> import numpy as np
+>>> from flax_loop.checkpoint import CheckpointFile, SavedState
+>>> saved = SavedState({"w": np.ones(2)}, {}, (), 7)
+>>> file = CheckpointFile.from_saved(saved, metrics={"eval": {"accuracy": 0.9}})
+>>> file.step, file.metrics["eval"]["accuracy"], file.saved_state() is not saved
+(7, 0.9, True)
+>>> halved = saved.map_arrays(lambda arrays: jax.tree.map(lambda a: a / 2, arrays))
+>>> halved.model_params["w"], halved.step
+(array([0.5, 0.5]), 7)
+
+A new field of the saved state is declared in `Saved` (and carried by the
+compiled step): every form, file and reader follows from the names. The
+run's key is stored as its implementation's name and raw data
+(`key_data`), in files and Orbax items alike.
 """
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
-from flax_loop.checkpoint._saved import Saved
+import jax
+import numpy as np
+
+from flax_loop.checkpoint._format import FORMAT_VERSION
+from flax_loop.checkpoint._names import LeftOut
 from flax_loop.errors import ConfigError
 
 Metrics = Mapping[str, Any]
 r"""Metric values by name, e.g. `{"accuracy": 0.97}`."""
+
+_Form = TypeVar("_Form", bound="Saved")
+
+
+@dataclass
+class Saved:
+    r"""The fields every form of the saved state has (the record's, but the step)."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = (
+        "model_params",
+        "model_state",
+        "optimizer_state",
+        "ema_params",
+    )
+    r"""the fields that hold device arrays: what a checkpoint copies and a file stores."""
+
+    model_params: Any
+    r"""parameters of the model at the checkpoint."""
+
+    model_state: Any
+    r"""the model's other collections at the checkpoint (e.g. `batch_stats`)."""
+
+    optimizer_state: Any
+    r"""a state of the optimizer at the checkpoint."""
+
+    ema_params: Any = field(default=None, kw_only=True, repr=False)
+    r"""the exponential moving average of the parameters, with
+    `TrainLoop(ema_decay=...)`; `None` without."""
+
+    rnkey: jax.Array | None = field(default=None, kw_only=True, repr=False)
+    r"""the run's key, kept so that a resumed run draws the same random numbers."""
+
+    data_state: Any = field(default=None, kw_only=True, repr=False)
+    r"""the data iterator's `get_state()` at this step, when it has one
+    (restored with `set_state` on resume)."""
+
+    def saved_state(self) -> "SavedState":
+        r"""The record of what this holds that a run resumes from."""
+        return SavedState(**{name: getattr(self, name) for name in SAVED_FIELDS})
+
+    @classmethod
+    def from_saved(cls: type[_Form], saved: "Saved", **extras: Any) -> _Form:
+        r"""This form of `saved` (any form), with its own `extras`."""
+        return cls(**{name: getattr(saved, name) for name in SAVED_FIELDS}, **extras)
+
+    def arrays(self) -> dict[str, Any]:
+        r"""`{name: tree}` of the fields that hold arrays (`ARRAYS`)."""
+        return {name: getattr(self, name) for name in self.ARRAYS}
+
+    def map_arrays(self: _Form, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> _Form:
+        r"""A copy whose array fields are `fn(self.arrays())` (one call over
+        all of them: one host transfer, one compiled program); the other
+        fields are kept as they are."""
+        return dataclasses.replace(self, **fn(self.arrays()))
+
+
+@dataclass
+class SavedState(Saved):
+    r"""What a checkpoint saves and a run resumes from (see the module's doc)."""
+
+    step: int
+    r"""the number of steps trained."""
+
+
+SAVED_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(SavedState))
+r"""The names of the record's fields."""
+
+REQUIRED_ARRAYS: tuple[str, ...] = tuple(
+    field.name
+    for field in dataclasses.fields(SavedState)
+    if field.name in Saved.ARRAYS and field.default is dataclasses.MISSING
+)
+r"""The array fields every saved state has; the others (a moving average)
+may be absent (`None`), and are then left out of files."""
+
+
+@dataclass
+class CheckpointFile(Saved):
+    r"""What a checkpoint file holds: the saved state and its metrics.
+
+    >>> import numpy as np
+    >>> import optax
+    >>> import flax.linen as nn
+    >>> from flax_loop import TrainLoop, TrainTask, CheckpointFileReader
+    >>> import pathlib, tempfile
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> model = nn.Dense(3)
+    >>> def cross_entropy(logits, labels):
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+    >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
+    >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+    ...                       n_steps=2, stdout=False).next_checkpoint()
+    >>> file = CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init).read_newest()
+    >>> file is None    # the directory holds no checkpoint yet
+    True
+    """
+
+    step: int
+    r"""the step number at which this checkpoint occurred."""
+
+    metrics: Metrics = field(default_factory=dict)
+    r"""metrics at the checkpoint, by group (empty for a plain checkpoint)."""
+
+    version: int = FORMAT_VERSION
+    r"""the file format version."""
+
+    path: str | None = field(default=None, compare=False)
+    r"""the file it was read from (`None` for one not read from a file)."""
+
+    left_out: LeftOut | None = field(default=None, kw_only=True)
+    r"""the frozen parameters this file leaves out (`CheckpointFileWriter(
+    save_frozen=False)`): their paths and a digest of their values, which a
+    resumed run takes from its initialization and checks; `None` when the
+    file holds every parameter."""
+
+
+def key_data(key: jax.Array) -> tuple[str, np.ndarray]:
+    r"""The implementation name and raw data of a typed key, as saved."""
+    impl = str(jax.random.key_impl(key))
+    return impl, np.asarray(jax.random.key_data(key))
+
+
+def key_from_data(impl: str, data: np.ndarray) -> jax.Array:
+    r"""Rebuilds a typed key from `key_data`'s output."""
+    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
 
 
 @dataclass
@@ -80,7 +232,7 @@ class Checkpoint(Saved):
     r"""where the interval's wall time went, in seconds: `compile`, `data`
     (waiting for batches), `device` (the devices' steps), `caller` (your
     code since the previous checkpoint) and `wall`, their sum; `device /
-    wall` is the goodput (`flax_loop.timing`). `{}` for a checkpoint not
+    wall` is the goodput (`flax_loop.throughput`). `{}` for a checkpoint not
     made by a loop."""
 
     frozen: Any = field(default=None, kw_only=True, repr=False)

@@ -1,4 +1,5 @@
-r"""The checkpoint file format: msgpack metadata, raw arrays, checksums.
+r"""The checkpoint file: its name, its format (msgpack metadata, raw arrays,
+checksums), and writing it atomically to a directory.
 
 A file is laid out as::
 
@@ -10,24 +11,32 @@ metrics, the run's key, the data iterator's state, and a tree whose array
 leaves are references (msgpack extension type 1) into a table of
 `{dtype, shape, offset, nbytes, crc32}` entries. Arrays are written one at a
 time, so writing holds at most one array's host copy beyond the state, and
-nothing in a file is ever executed when it is read.
+nothing in a file is ever executed when it is read (`_parse` reads a file,
+every field checked before it is used).
 """
 
-import errno
 import os
-import stat
+import queue
+import re
+import secrets
 import struct
+import threading
+import urllib.parse
 import zlib
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import ml_dtypes
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._checksums import Checksums
-from flax_loop.checkpoint._names import array_names
-from flax_loop.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
+from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX
+from flax_loop.errors import CheckpointCorruptError, CheckpointError
+
+if TYPE_CHECKING:
+    import jax
+
+    from flax_loop.checkpoint._checkpoint import CheckpointFile
 
 FORMAT_NAME = "flax_loop.checkpoint"
 FORMAT_VERSION = 1
@@ -71,6 +80,61 @@ _DTYPES.update(
     float8_e4m3fn=np.dtype(ml_dtypes.float8_e4m3fn),
     float8_e5m2=np.dtype(ml_dtypes.float8_e5m2),
 )
+
+
+class Checksums:
+    r"""Running CRC32s computed on a worker thread, overlapping file I/O.
+
+    `zlib.crc32` and file reads and writes release the GIL, so checksumming
+    chunk k while chunk k + 1 is read or written takes the time of the slower
+    of the two, not of both (benchmarks/checkpoint_io.py).
+    A plain thread, not an executor: background writes may run while the
+    interpreter exits, when executors no longer accept work.
+
+    >>> with Checksums() as checksums:
+    ...     for chunk in (b"flax", b"_loop"):
+    ...         checksums.add(memoryview(chunk))
+    ...     crc = checksums.result()    # of the chunks added since the last result
+    >>> crc == zlib.crc32(b"flax_loop")
+    True
+    """
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="flax_loop-crc32", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        checksum = 0
+        while (chunk := self._chunks.get()) is not None:
+            if chunk is self._END:
+                self._results.put(checksum)
+                checksum = 0
+            else:
+                try:
+                    checksum = zlib.crc32(chunk, checksum)
+                except BaseException as error:  # hand it to the caller of result()
+                    checksum = error  # type: ignore[assignment]
+
+    def add(self, chunk: memoryview) -> None:
+        self._chunks.put(chunk)
+
+    def result(self) -> int:
+        self._chunks.put(self._END)
+        value = self._results.get()
+        if isinstance(value, BaseException):
+            raise value
+        return int(value)
+
+    def __enter__(self) -> "Checksums":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._chunks.put(None)
+        self._thread.join()
 
 
 def _host_leaf(leaf: Any) -> np.ndarray:
@@ -147,252 +211,165 @@ def _map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(tree)
 
 
-def read(path: str) -> tuple[Any, dict[str, Any]]:
-    r"""Reads a checkpoint file, verifying every checksum.
+def quote(name: str) -> str:
+    r"""Encodes a group or metric name so that file names cannot collide."""
+    return urllib.parse.quote(name, safe="").replace(".", "%2E")
+
+
+def file_name(prefix: str, step: int) -> str:
+    return f"{prefix}{step}{SUFFIX}"
+
+
+def list_steps(directory: str, prefix: str) -> list[tuple[int, str]]:
+    r"""`(step, path)` of the checkpoint files with `prefix`, newest first."""
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+){re.escape(SUFFIX)}")
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError as error:
+        raise CheckpointError(
+            f"The checkpoint directory {directory!r} is a file; give a directory path."
+        ) from error
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found, reverse=True)
+
+
+def _metrics_to_file(metrics: Any) -> dict[str, dict[str, float]]:
+    def number(value: Any) -> Any:
+        array = np.asarray(value)
+        if array.size != 1:
+            return array.tolist()
+        return array.item()
+
+    return {
+        str(group): {str(name): number(value) for name, value in values.items()}
+        for group, values in dict(metrics).items()
+    }
+
+
+def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True) -> str:
+    r"""Writes `file` atomically as `directory/prefix<step>.ckpt`.
+
+    The bytes go to a temporary file in the same directory, which is flushed,
+    fsynced and renamed over the final name; then the directory is fsynced.
+    A crash leaves either the old state or the new file, never half a file.
 
     Returns:
-        the tree (arrays as numpy) and the footer's metadata.
-
-    Raises:
-        CheckpointCorruptError: for a truncated or damaged file.
-        CheckpointVersionError: for a file of a newer format version.
+        the path written.
     """
-    with _open_regular(path) as stream:
-        footer, entries, data_end = read_footer(stream, path)
-        names = array_names(footer.get("tree"))
-        with Checksums() as checksums:
-            arrays = [
-                _read_array(stream, path, names.get(i, str(i)), entry, data_end, checksums)
-                for i, entry in enumerate(entries)
-            ]
+    ensure_directory(directory)
+    # the array fields of the saved state; an absent one (no moving average) is left out
+    from flax import serialization  # JAX only where a file is written
 
-    def resolve(code: int, data: bytes) -> Any:
-        return arrays[_array_index(path, code, data, len(arrays))]
+    tree = {
+        name: serialization.to_state_dict(arrays)
+        for name, arrays in file.arrays().items()
+        if arrays is not None
+    }
+    meta: dict[str, Any] = {
+        "step": int(file.step),
+        "metrics": _metrics_to_file(file.metrics),
+        "data_state": file.data_state,
+    }
+    if file.left_out is not None:
+        meta["frozen"] = file.left_out.to_meta()
+    if file.rnkey is not None:
+        from flax_loop.checkpoint._checkpoint import key_data
 
-    tree = _resolve(footer.get("tree"), resolve)
-    if not isinstance(tree, dict):
-        raise CheckpointCorruptError(f"{path} is damaged: its state is not a map.")
-    meta = {k: v for k, v in footer.items() if k not in ("tree", "arrays")}
-    _check_meta(path, meta)
-    return tree, meta
-
-
-def read_footer(stream: BinaryIO, path: str) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
-    r"""A file's footer checked (header, end marker, footer checksum, layout):
-    the footer, its array entries and where the arrays' data ends.
-
-    Raises:
-        CheckpointCorruptError: for a truncated or damaged file.
-        CheckpointVersionError: for a file of a newer format version.
-    """
-    size = os.fstat(stream.fileno()).st_size
-    if size < _HEAD.size + _TAIL.size:
-        raise CheckpointCorruptError(
-            f"{path} is truncated: {size} bytes, shorter than any checkpoint file."
-        )
-    magic, version = _HEAD.unpack(stream.read(_HEAD.size))
-    if magic != MAGIC:
-        raise CheckpointCorruptError(
-            f"{path} is not a flax_loop checkpoint file (header {magic!r})."
-        )
-    if version > FORMAT_VERSION:
-        raise CheckpointVersionError(
-            f"{path} has format version {version}; this flax_loop reads "
-            f"versions up to {FORMAT_VERSION}. Upgrade flax_loop to read it."
-        )
-    stream.seek(size - _TAIL.size)
-    footer_size, footer_crc, end = _TAIL.unpack(stream.read(_TAIL.size))
-    data_end = size - _TAIL.size - footer_size
-    if end != END_MAGIC or footer_size > size - _HEAD.size - _TAIL.size:
-        raise CheckpointCorruptError(
-            f"{path} is truncated or damaged: its end marker or footer size is "
-            "wrong (was the write interrupted?)."
-        )
-    stream.seek(data_end)
-    footer_bytes = stream.read(footer_size)
-    if zlib.crc32(footer_bytes) != footer_crc:
-        raise CheckpointCorruptError(f"{path} is damaged: footer checksum mismatch.")
-    footer = _unpack_footer(path, footer_bytes)
-    _check_depth(path, footer)
-    if footer.get("format") != FORMAT_NAME or footer.get("version") != version:
-        raise CheckpointCorruptError(
-            f"{path} has an inconsistent header: format {footer.get('format')!r} "
-            f"version {footer.get('version')!r} against header version {version}."
-        )
-    entries = list(_entries(path, footer))
-    _check_layout(path, entries, data_end)
-    return footer, entries, data_end
-
-
-def _open_regular(path: str) -> BinaryIO:
-    r"""`path` opened for reading if it is a regular file (a symbolic link to
-    one is followed); a FIFO, a device, a socket or a dangling link is a
-    damaged checkpoint, found without blocking on it. The system's refusals
-    (permissions, I/O, a folder) stay `OSError`s."""
+        impl, data = key_data(file.rnkey)
+        meta["rnkey"] = {"impl": impl, "data": data.tolist()}
+    final = os.path.join(directory, file_name(prefix, int(file.step)))
+    temporary = os.path.join(
+        directory, f"{TEMPORARY_PREFIX}{file_name(prefix, int(file.step))}.{secrets.token_hex(4)}"
+    )
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError as error:  # a link to nothing
-        what = (
-            f"a symbolic link to {os.readlink(path)!r}, which does not exist"
-            if os.path.islink(path)
-            else error.strerror or str(error)
-        )
-        raise CheckpointCorruptError(f"{path} is not a checkpoint: {what}.") from error
-    mode = os.fstat(descriptor).st_mode
-    if stat.S_ISDIR(mode):  # the system's answer, as for any file it cannot read
-        os.close(descriptor)
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-    if not stat.S_ISREG(mode):
-        os.close(descriptor)
-        raise CheckpointCorruptError(
-            f"{path} is not a checkpoint: it is not a regular file (mode {stat.filemode(mode)})."
-        )
-    os.set_blocking(descriptor, True)
-    return os.fdopen(descriptor, "rb")
+        with open(temporary, "wb") as stream:
+            try:
+                write(stream, tree, meta)
+            except (TypeError, ValueError) as error:
+                raise CheckpointError(
+                    f"Cannot encode the checkpoint for {final}: {error}. The data "
+                    "iterator's state and metrics must be plain numbers, strings, "
+                    "bytes, lists and dicts."
+                ) from error
+            stream.flush()
+            if fsync:
+                os.fsync(stream.fileno())
+        os.replace(temporary, final)
+    except BaseException:
+        remove_quietly(temporary)
+        raise
+    if fsync:
+        _fsync_directory(directory)
+    return final
 
 
-def _check_layout(path: str, entries: list[dict[str, Any]], data_end: int) -> None:
-    r"""Rejects a table whose arrays overlap (or claim more bytes than the file
-    holds): a crafted table of many entries pointing at one valid block must
-    not make a reader allocate many times the file's size."""
-    spans = []
-    for index, entry in enumerate(entries):
-        offset, nbytes = entry.get("offset"), entry.get("nbytes")
-        if isinstance(offset, int) and isinstance(nbytes, int) and nbytes > 0:
-            spans.append((offset, offset + nbytes, index))
-    spans.sort()
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-        if start < end:
-            raise CheckpointCorruptError(
-                f"{path} is damaged: arrays {min(first, second)} and "
-                f"{max(first, second)} overlap in the file."
-            )
-    if sum(end - start for start, end, _ in spans) > max(data_end - _HEAD.size, 0):
-        raise CheckpointCorruptError(
-            f"{path} is damaged: its arrays claim more bytes than it holds."
-        )
+def restore_key(meta: dict[str, Any], path: str) -> "jax.Array | None":
+    r"""The run's key stored in a file's metadata, if any."""
+    from flax_loop.checkpoint._checkpoint import key_from_data
 
-
-def _check_meta(path: str, meta: dict[str, Any]) -> None:
-    step, metrics, key = meta.get("step"), meta.get("metrics", {}), meta.get("rnkey")
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-        raise CheckpointCorruptError(
-            f"{path} is damaged: invalid step {step!r:.40} (an integer from 0 to {MAX_STEP})."
-        )
-    if not isinstance(metrics, dict) or not all(
-        isinstance(group, dict) for group in metrics.values()
-    ):
-        raise CheckpointCorruptError(f"{path} is damaged: invalid metrics {metrics!r}.")
-    if key is not None and not (
-        isinstance(key, dict)
-        and isinstance(key.get("impl"), str)
-        and isinstance(key.get("data"), list)
-        and all(isinstance(n, int) and 0 <= n < 2**32 for n in key["data"])
-    ):
-        raise CheckpointCorruptError(f"{path} is damaged: invalid key {key!r}.")
-
-
-def _check_depth(path: str, footer: Any) -> None:
-    r"""Rejects a footer nested deeper than `MAX_DEPTH`, without recursion."""
-    stack = [(footer, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise CheckpointCorruptError(
-                f"{path} is damaged: its metadata nests deeper than {MAX_DEPTH} levels."
-            )
-        if isinstance(value, dict):
-            stack.extend((child, depth + 1) for child in value.values())
-        elif isinstance(value, list):
-            stack.extend((child, depth + 1) for child in value)
-
-
-def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:
+    entry = meta.get("rnkey")
+    if not isinstance(entry, dict):
+        return None
     try:
-        footer = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException, RecursionError) as error:
+        return key_from_data(str(entry.get("impl")), np.asarray(entry.get("data")))
+    except (ValueError, TypeError, KeyError) as error:
         raise CheckpointCorruptError(
-            f"{path} is damaged: its metadata cannot be decoded ({error})"
+            f"{path} is damaged: its key cannot be rebuilt ({error})."
         ) from error
-    if not isinstance(footer, dict):
-        raise CheckpointCorruptError(f"{path} is damaged: metadata is not a map.")
-    return footer
 
 
-def _entries(path: str, footer: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    table = footer.get("arrays")
-    if not isinstance(table, list):
-        raise CheckpointCorruptError(f"{path} is damaged: no array table.")
-    for entry in table:
-        if not isinstance(entry, dict):
-            raise CheckpointCorruptError(f"{path} is damaged: bad array entry.")
-        yield entry
+def clean_temporary(directory: str, prefix: str) -> None:
+    r"""Removes temporary files that an interrupted write of `prefix` left.
+
+    Only a writer that holds the directory's lock for `prefix` calls this:
+    no other live writer then writes such files.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    start = TEMPORARY_PREFIX + prefix
+    for name in names:
+        if name.startswith(start) and re.fullmatch(
+            rf"{re.escape(start)}\d+{re.escape(SUFFIX)}\.[0-9a-f]+", name
+        ):
+            remove_quietly(os.path.join(directory, name))
 
 
-def _read_array(
-    stream: BinaryIO,
-    path: str,
-    index: str,
-    entry: dict[str, Any],
-    data_end: int,
-    checksums: Checksums,
-) -> np.ndarray:
-    dtype = _DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
-    shape = entry.get("shape")
-    offset: Any = entry.get("offset")
-    nbytes: Any = entry.get("nbytes")
-    checksum: Any = entry.get("crc32")
-    ints = (offset, nbytes, checksum)
-    if (
-        dtype is None
-        or not isinstance(shape, list)
-        or len(shape) > MAX_DIMENSIONS
-        or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_EXTENT for n in shape
+def ensure_directory(directory: str) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(
+            f"The checkpoint directory {directory!r} is a file; give a directory path."
         )
-        or not all(isinstance(n, int) and not isinstance(n, bool) for n in ints)
-    ):
-        raise CheckpointCorruptError(
-            f"{path} is damaged: array {index} has an invalid description {entry!r}."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(
+            f"Cannot create the checkpoint directory {directory!r}: {error}."
+        ) from error
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"The checkpoint directory {directory!r} is not writable; fix its "
+            "permissions or choose another output_dir."
         )
-    expected = dtype.itemsize * int(np.prod(shape, dtype=object))
-    if nbytes != expected or offset < _HEAD.size or offset + nbytes > data_end:
-        raise CheckpointCorruptError(
-            f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) claims "
-            f"{nbytes} bytes at offset {offset}, outside the file's data."
-        )
-    array = np.empty(shape, dtype)
-    stream.seek(offset)
-    view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-    for start in range(0, nbytes, _CHUNK):
-        chunk = view[start : start + _CHUNK]
-        if stream.readinto(chunk) != len(chunk):  # type: ignore[attr-defined]
-            checksums.result()  # drain what was queued for this array
-            raise CheckpointCorruptError(f"{path} is truncated inside array {index}.")
-        checksums.add(chunk)
-    if checksums.result() != checksum:
-        raise CheckpointCorruptError(
-            f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) fails its checksum."
-        )
-    return array
 
 
-def _array_index(path: str, code: int, data: bytes, n_arrays: int) -> int:
-    if code != _ARRAY_REF or len(data) != 4:
-        raise CheckpointCorruptError(f"{path} is damaged: unknown tree element.")
-    (index,) = struct.unpack("<I", data)
-    if index >= n_arrays:
-        raise CheckpointCorruptError(
-            f"{path} is damaged: reference to array {index} of {n_arrays}."
-        )
-    return int(index)
+def _fsync_directory(directory: str) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
-def _resolve(tree: Any, resolve: Callable[[int, bytes], Any]) -> Any:
-    if isinstance(tree, msgpack.ExtType):
-        return resolve(tree.code, tree.data)
-    if isinstance(tree, dict):
-        return {key: _resolve(value, resolve) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_resolve(value, resolve) for value in tree]
-    return tree
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

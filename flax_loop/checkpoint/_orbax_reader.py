@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flax_loop.checkpoint._file import CheckpointFile, restore_key
+from flax_loop.checkpoint._checkpoint import CheckpointFile
+from flax_loop.checkpoint._format import restore_key
 from flax_loop.checkpoint._orbax_store import (
     FORMAT_VERSION,
     META_ITEM,

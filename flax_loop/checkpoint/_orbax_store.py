@@ -19,8 +19,7 @@ import jax
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._file import CheckpointFile
-from flax_loop.checkpoint._saved import REQUIRED_ARRAYS
+from flax_loop.checkpoint._checkpoint import REQUIRED_ARRAYS, CheckpointFile, key_data
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -28,7 +27,6 @@ from flax_loop.errors import (
     ConfigError,
 )
 from flax_loop.parallel import key_names
-from flax_loop.random import key_data
 
 FORMAT_NAME = "flax_loop.orbax"
 FORMAT_VERSION = 1

@@ -7,10 +7,11 @@ from typing import Any
 import numpy as np
 from flax import serialization
 
-from flax_loop.checkpoint._file import CheckpointFile, list_steps, load, restore_key
+from flax_loop.checkpoint._checkpoint import REQUIRED_ARRAYS, CheckpointFile, Saved
+from flax_loop.checkpoint._format import list_steps, restore_key
 from flax_loop.checkpoint._frozen import flatten, inserted
 from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut
-from flax_loop.checkpoint._saved import REQUIRED_ARRAYS, Saved
+from flax_loop.checkpoint._parse import read
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -82,7 +83,7 @@ class CheckpointFileReader:
         problems = []
         for step, path in list_steps(self.dir, self._prefix()):
             try:
-                tree, meta = load(path)
+                tree, meta = read(path)
                 if meta["step"] != step:
                     raise CheckpointCorruptError(
                         f"{path} is damaged or renamed: its name says step {step}, "

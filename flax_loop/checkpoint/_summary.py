@@ -8,7 +8,7 @@ import optax
 
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
 from flax_loop.parallel import to_host
-from flax_loop.timing import goodput
+from flax_loop.throughput import goodput
 
 
 def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:

@@ -11,9 +11,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from flax_loop.checkpoint import _file
-from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
-from flax_loop.checkpoint._file import CheckpointFile
+from flax_loop.checkpoint import _format
+from flax_loop.checkpoint._checkpoint import Checkpoint, CheckpointFile, Summary, expect
 from flax_loop.checkpoint._frozen import leave_out
 from flax_loop.checkpoint._lock import DirectoryLock
 from flax_loop.checkpoint._names import REGULAR_PREFIX
@@ -93,6 +92,9 @@ class CheckpointFileWriter:
         self._mutex = threading.Lock()
         self._pending: Future[str] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # whether this process writes: known from the first write on (a
+        # checkpoint comes after jax.distributed is set up)
+        self._writes: bool | None = None
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         r"""Writes a checkpoint (or a summary, with its metrics) and returns it."""
@@ -118,7 +120,9 @@ class CheckpointFileWriter:
         # State split over several processes comes to process 0's host: every
         # process takes part in gathering it.
         file = file.map_arrays(gather_split)
-        if not is_main_process():
+        if self._writes is None:
+            self._writes = is_main_process()
+        if not self._writes:
             return checkpoint
         self.wait()  # one write at a time: never race the previous one
         prefix = prefix or self._prefix()
@@ -139,14 +143,14 @@ class CheckpointFileWriter:
 
     def _lock(self, prefix: str) -> None:
         if prefix not in self._locks:
-            _file.ensure_directory(self.output_dir)
+            _format.ensure_directory(self.output_dir)
             lock = DirectoryLock(self.output_dir, prefix)
             lock.acquire()
             self._locks[prefix] = lock
-            _file.clean_temporary(self.output_dir, prefix)
+            _format.clean_temporary(self.output_dir, prefix)
 
     def _check_later_files(self, prefix: str, step: int) -> None:
-        existing = _file.list_steps(self.output_dir, prefix)
+        existing = _format.list_steps(self.output_dir, prefix)
         in_the_way = [
             (s, path) for s, path in existing if s > step or (s == step and self.overwrite is False)
         ]
@@ -191,7 +195,7 @@ class CheckpointFileWriter:
 
     def _save(self, prefix: str, file: CheckpointFile) -> str:
         try:
-            written = _file.save(self.output_dir, prefix, file)
+            written = _format.save(self.output_dir, prefix, file)
         except CheckpointError:
             raise
         except OSError as error:
@@ -203,12 +207,12 @@ class CheckpointFileWriter:
         return written
 
     def _prune(self, prefix: str, written: str, step: int) -> None:
-        newest_first = _file.list_steps(self.output_dir, prefix)
+        newest_first = _format.list_steps(self.output_dir, prefix)
         later = [path for s, path in newest_first if s > step]  # only with overwrite=True
         kept = [path for s, path in newest_first if s <= step]
         for path in later + kept[self.keep :]:
             if path != written:
-                _file.remove_quietly(path)
+                _format.remove_quietly(path)
 
 
 def check_writer_options(output_dir: Any, keep: Any, overwrite: Any) -> str:
