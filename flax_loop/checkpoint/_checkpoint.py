@@ -119,12 +119,13 @@ may be absent (`None`), and are then left out of files."""
 class CheckpointFile(Saved):
     r"""What a checkpoint file holds: the saved state and its metrics.
 
+    >>> import jax
     >>> import numpy as np
     >>> import optax
     >>> import flax.linen as nn
-    >>> from flax_loop import TrainLoop, TrainTask, CheckpointFileReader
-    >>> import pathlib, tempfile
-    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+    >>> import os, tempfile
+    >>> directory = tempfile.mkdtemp()
     >>> model = nn.Dense(3)
     >>> def cross_entropy(logits, labels):
     ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -132,8 +133,11 @@ class CheckpointFile(Saved):
     >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
     >>> checkpoint = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
     ...                       n_steps=2, stdout=False).next_checkpoint()
-    >>> file = CheckpointFileReader(dir=str(tmp / "ckpts"), target=model.init).read_newest()
-    >>> file is None    # the directory holds no checkpoint yet
+    >>> _ = CheckpointFileWriter(output_dir=directory)(checkpoint)
+    >>> file = CheckpointFileReader(dir=directory, target=model.init).read_newest()
+    >>> file.step, os.path.basename(file.path), file.metrics
+    (1, 'regular.1.ckpt', {})
+    >>> jax.tree.all(jax.tree.map(np.array_equal, file.model_params, checkpoint.model_params))
     True
     """
 
