@@ -229,15 +229,16 @@ class CompiledSteps:
         )
         self._shorter: dict[Any, Callable[..., Any]] = {}
         state_sharding = replicated if shardings is None else shardings
-        close = jax.jit(
-            on_packed(close_interval, packing),
-            donate_argnums=0,
-            out_shardings=(state_sharding, replicated),
-        ).lower(state, self.grads_like(self._unpacked.model_params))
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
         abstract = jax.tree.map(_abstract, state)
         self._abstract = abstract
+        close = jax.jit(
+            on_packed(close_interval, packing),
+            donate_argnums=0,
+            out_shardings=(state_sharding, replicated),
+        )
+        grads = self.grads_like(self._unpacked.model_params)
         names = [LAST, ONE] + ([MANY] if stacked is not None else [])
         names += [MANY_LAST] if plan.closing_steps else []
         later = {
@@ -259,7 +260,7 @@ class CompiledSteps:
         # while the first steps run (compiled beside it, they would only share
         # the cores with it). The interval's separate close is needed only when
         # an interval ends without its `last` step (a stop, the stream's end):
-        # it compiles then (a small program).
+        # it is traced, lowered and compiled then (a small program).
         try:
             self.programs[first] = program.compile()
             for name, compile in later.items():
@@ -274,7 +275,9 @@ class CompiledSteps:
                     )
             if plan.closing_steps:
                 self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
-            self._close_interval = _Compiling(close.compile, waited=self._waited)
+            self._close_interval = _Compiling(
+                lambda: close.lower(abstract, grads).compile(), waited=self._waited
+            )
             # every checkpoint copies the state
             self._copy = _Compiling(
                 self._background.submit(functools.partial(self._compile_copy, placement)),

@@ -35,6 +35,7 @@ from tests.helpers import (
     file_names,
     resume_worker,
     run,
+    slow,
 )
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
@@ -274,6 +275,10 @@ def run_worker(directory, n_steps, *args, devices=4):
     return run(resume_worker(directory, n_steps, "--devices", devices, *args))
 
 
+@slow(
+    "by default a new process resumes bit for bit after a SIGTERM (tests/test_preemption.py) "
+    "and after SIGKILLs (tests/test_crash.py), from the same worker's files"
+)
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     first = run_worker(tmp_path / "straight", 30, "--keep", 3, "--out", tmp_path / "straight.npz")
     assert "WROTE 10" in first and "DONE 30" in first

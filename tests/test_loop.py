@@ -22,6 +22,7 @@ from tests.helpers import (
     digits_loop,
     digits_split,
     relative_difference,
+    slow,
 )
 
 X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
@@ -331,17 +332,26 @@ def test_checkpoint_is_positional_as_in_flax_extra():
     assert checkpoint.mean_loss is None and not checkpoint.preempted
 
 
-@pytest.mark.parametrize("n_devices", [1, 4])
+# intervals of 9 at 4 a dispatch: 4, 4, then the closing step alone; the
+# run's last 4 steps (an interval cut short) as single steps
+NINES = (22, 9, {"one": 3, "last": 3, "many": 4})
+# intervals of 6: 4, then the last 2 in one call that closes the interval
+# (no single step); the run's last interval of 2 too
+SIXES = (14, 6, {"one": 0, "last": 0, "many": 2, "many_last": 3})
+OTHER_DEVICES = slow(
+    "each plan runs on one device count by default: one as jit, one under shard_map"
+)
+
+
 @pytest.mark.parametrize(
-    "n_steps, every, calls",
+    "n_devices, n_steps, every, calls",
     [
-        # intervals of 9 at 4 a dispatch: 4, 4, then the closing step alone;
-        # the run's last 4 steps (an interval cut short) as single steps
-        (22, 9, {"one": 3, "last": 3, "many": 4}),
-        # intervals of 6: 4, then the last 2 in one call that closes the
-        # interval (no single step); the run's last interval of 2 too
-        (14, 6, {"one": 0, "last": 0, "many": 2, "many_last": 3}),
+        (1, *NINES),
+        (4, *SIXES),
+        pytest.param(4, *NINES, marks=OTHER_DEVICES),
+        pytest.param(1, *SIXES, marks=OTHER_DEVICES),
     ],
+    ids=["1-nines", "4-sixes", "4-nines", "1-sixes"],
 )
 def test_several_steps_per_dispatch_match_single_steps(n_devices, n_steps, every, calls):
     model = BatchNormDropoutNet()

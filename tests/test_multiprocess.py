@@ -94,6 +94,8 @@ def assert_close(a, b, rtol):
 
 
 def test_two_processes_compute_what_one_process_computes(tmp_path):
+    from tests.helpers import MLP, digits_split
+
     succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz", "--eval")
     results = succeed(
         2,
@@ -112,22 +114,19 @@ def test_two_processes_compute_what_one_process_computes(tmp_path):
     assert "Step 20:" in results[0][1] and "Step 20:" not in results[1][1]
     assert len(os.listdir(tmp_path / "tb")) == 1
 
-
-def test_eval_across_processes_with_different_example_counts(tmp_path):
-    from tests.helpers import MLP, digits_split
-
-    succeed(2, "--n-steps", 10, "--out", tmp_path / "two.npz", "--eval")
-    result = params(tmp_path / "two.npz")
+    # The processes evaluated different numbers of test examples (160 and
+    # 140): the accuracy is that of the whole test set, as one process
+    # computes it from the final parameters.
     _, _, x_test, y_test = digits_split()
     weights = {
         "params": {
-            layer: {"kernel": result[f"{layer}/kernel"], "bias": result[f"{layer}/bias"]}
+            layer: {"kernel": two[f"{layer}/kernel"], "bias": two[f"{layer}/bias"]}
             for layer in ("Dense_0", "Dense_1")
         }
     }
     logits = np.asarray(MLP().apply(weights, x_test))
     expected = float(np.mean(np.argmax(logits, -1) == y_test))
-    assert float(result["accuracy"]) == pytest.approx(expected, abs=1e-6)
+    assert float(two["accuracy"]) == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +284,11 @@ def test_a_killed_process_stops_the_other_within_seconds_naming_it(tmp_path):
     assert took < 30  # jax.distributed alone: ~100 s, then SIGABRT
 
 
+@slow(
+    "by default an error on one process stops every process: a bad batch, a damaged file, "
+    "a kill; this one waits out a silent peer's window (SILENT_SECONDS), and on a loaded "
+    "machine its two exits can race (process 1 aborted by the coordinator's closing)"
+)
 def test_a_process_whose_data_ends_early_exits_1_and_the_other_70(tmp_path):
     # Its exit takes longer than a silent peer is given: it goes on beating,
     # and process 0 waits for it.
