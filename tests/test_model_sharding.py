@@ -129,6 +129,9 @@ def host(tree):
 
 
 def gpt_run(n_steps=20, **options):
+    """The model and its last checkpoint after `n_steps` steps, each an
+    interval of its own: only the interval's closing step compiles (the
+    layout is the subject here, not the cadence)."""
     model = build_gpt()
     loop = TrainLoop(
         model,
@@ -136,12 +139,13 @@ def gpt_run(n_steps=20, **options):
         # Adam's default eps would scale up to full steps, different per layout.
         TrainTask(model, optax.adam(3e-3, eps=1e-4), next_token_loss, Sequences()),
         jax.random.key(0),
-        n_steps_per_checkpoint=n_steps,
+        n_steps_per_checkpoint=1,
         n_steps=n_steps,
         stdout=False,
         **options,
     )
-    return model, list(loop)[-1]
+    *_, last = loop
+    return model, last
 
 
 def test_an_annotated_nnx_transformer_is_laid_out_as_annotated_and_follows_replicated():
@@ -195,12 +199,13 @@ X, Y, X_TEST, Y_TEST = digits_split()
 
 
 def linen_loop(n_steps=10, init=None, **options):
+    """A checkpoint every step: only the interval's closing step compiles."""
     model = LogicalMLP()
     return TrainLoop(
         init or model.init,
         TrainTask(model.apply, optax.adam(1e-2), cross_entropy, ResumableBatches(X, Y, 32)),
         jax.random.key(0),
-        n_steps_per_checkpoint=n_steps,
+        n_steps_per_checkpoint=1,
         n_steps=n_steps,
         stdout=False,
         **options,
