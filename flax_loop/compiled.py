@@ -233,12 +233,6 @@ class CompiledSteps:
         # state's shapes and layout (the state itself is donated meanwhile).
         abstract = jax.tree.map(_abstract, state)
         self._abstract = abstract
-        close = jax.jit(
-            on_packed(close_interval, packing),
-            donate_argnums=0,
-            out_shardings=(state_sharding, replicated),
-        )
-        grads = self.grads_like(self._unpacked.model_params)
         names = [LAST, ONE] + ([MANY] if stacked is not None else [])
         names += [MANY_LAST] if plan.closing_steps else []
         later = {
@@ -275,8 +269,11 @@ class CompiledSteps:
                     )
             if plan.closing_steps:
                 self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
+            grads = self.grads_like(self._unpacked.model_params)
+            closing_layout = (state_sharding, replicated)
             self._close_interval = _Compiling(
-                lambda: close.lower(abstract, grads).compile(), waited=self._waited
+                lambda: _compile_close(packing, closing_layout, abstract, grads),
+                waited=self._waited,
             )
             # every checkpoint copies the state
             self._copy = _Compiling(
@@ -367,6 +364,14 @@ class CompiledSteps:
         the stream's end, a shorter last batch): `-> (state with its
         interval sums reset, statistics)`, compiled when first needed."""
         return self._close_interval(state, grads)
+
+
+def _compile_close(packing: Packing | None, shardings: Any, state: Any, grads: Any) -> Any:
+    r"""The interval's separate close (`close_interval`) compiled for the
+    state's layout (`state`, `grads`: their shapes), `shardings` those of its
+    outputs."""
+    close = jax.jit(on_packed(close_interval, packing), donate_argnums=0, out_shardings=shardings)
+    return close.lower(state, grads).compile()
 
 
 def _packing_of(state: TrainState) -> Packing | None:
