@@ -161,6 +161,8 @@ def test_a_re_iterable_source_with_a_short_last_batch_runs_epoch_after_epoch():
     checkpoints = list(loop)
     assert [c.step for c in checkpoints] == [3, 6, 7]
     assert checkpoints[-1].data_state == {"flax_loop/epoch": {"epoch": 2, "batches": 1}}
+    # the short batches' intervals closed apart: the separate close, built then
+    assert loop.compiled._close_interval._compiled is not None
 
 
 def _grouped_run(data, steps_per_dispatch, n_steps=14):

@@ -100,6 +100,7 @@ def test_a_variant_the_cadence_never_calls_compiles_when_first_called():
     assert not isinstance(pending, jax.stages.Compiled) and callable(pending._source)
     assert not isinstance(pending._source, concurrent.futures.Future)
     assert isinstance(programs["last"], jax.stages.Compiled)
+    assert loop.compiled._close_interval._compiled is None  # the separate close: not even lowered
     loop.n_steps_per_checkpoint = 3  # now steps 4 and 5 are single steps
     (changed,) = list(loop)
     assert changed.step == 6 and isinstance(programs["one"], jax.stages.Compiled)
