@@ -75,6 +75,10 @@ PROGRAM = textwrap.dedent(
     from flax_loop import TrainLoop, TrainTask
     from tests.helpers import MLP, batches, cross_entropy, digits_split
 
+    # Python's own Ctrl-C handling, as in a terminal (a shell's background
+    # job, such as a suite started with `&`, starts with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     X_TRAIN, Y_TRAIN, _, _ = digits_split()
 
     model = MLP(features=(16,))
