@@ -313,4 +313,7 @@ def build_step(
         )
         return new_state, (loss_value.astype(jnp.float32), grads)
 
-    return update
+    # Every variant of the step (`flax_loop.lowering`) inlines this one trace:
+    # the model's and the loss's Python runs once per loop, not once per
+    # variant, and each program is what it would be had it traced them itself.
+    return jax.jit(update, inline=True)
