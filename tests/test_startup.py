@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import numpy as np
@@ -159,3 +160,29 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
         np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(jax.tree.leaves(other.model_params), jax.tree.leaves(start.model_params))
     )
+
+
+def test_the_step_is_traced_once_for_every_variant():
+    # The model and the loss run in Python once per loop: every variant (the
+    # first dispatch's, the others on the background thread, one a changed
+    # cadence calls later) inlines that one trace of the step (each tracing
+    # it apart would be 5 traces here).
+    from tests.helpers import MLP, digits_loop
+
+    model, traced = MLP(), []
+
+    def apply(*args, **kwargs):
+        traced.append(1)
+        return model.apply(*args, **kwargs)
+
+    counting = types.SimpleNamespace(init=model.init, apply=apply)
+    loop = digits_loop(
+        counting, n_devices=2, n_steps=12, n_steps_per_checkpoint=6, steps_per_dispatch=4
+    )
+    loop.compiled.wait()
+    assert {"many", "many_last"} <= set(loop.compiled.programs)
+    assert len(traced) == 1
+    assert loop.next_checkpoint().step == 6
+    loop.n_steps_per_checkpoint = 3  # a closing call of 3 steps, then of 3 again
+    assert [c.step for c in loop] == [9, 12]
+    assert len(traced) == 1
