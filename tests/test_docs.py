@@ -70,7 +70,20 @@ def readme_use_section():
     return blocks
 
 
-def test_readme_use_section_runs(tmp_path, monkeypatch):
+@pytest.fixture
+def one_device(monkeypatch):
+    """`jax.devices()` as a reader's CPU has them: one. The suite forces four
+    CPU devices for its multi-device tests, where a step costs ~8 times a
+    one-device step (collectives between threads on two cores); a program
+    that leaves the devices to flax_loop then trains on one, as the reader's
+    does (on four it computes the same: tests/test_loop.py)."""
+    import jax
+
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, "devices", lambda backend=None: one)
+
+
+def test_readme_use_section_runs(tmp_path, monkeypatch, one_device):
     monkeypatch.chdir(tmp_path)
     set_console(Console(file=io.StringIO()))
     model = MLP(features=(32,))
@@ -118,10 +131,16 @@ def guides_with_programs():
             yield name
 
 
+# Guides about several devices: run on the suite's four.
+SEVERAL_DEVICES = {"devices.md"}
+
+
 @pytest.mark.parametrize("guide", list(guides_with_programs()))
-def test_a_guide_runs_as_written(guide, tmp_path, monkeypatch, capsys):
+def test_a_guide_runs_as_written(guide, tmp_path, monkeypatch, capsys, request):
     # A guide's python blocks run one after the other, in one namespace, in
     # a fresh directory: each guide stands alone, its imports and model in it.
+    if guide not in SEVERAL_DEVICES:
+        request.getfixturevalue("one_device")
     text = open(os.path.join(ROOT, "docs", "guides", guide)).read()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     monkeypatch.chdir(tmp_path)
