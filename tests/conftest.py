@@ -49,6 +49,17 @@ def devices() -> list:
     return jax.devices()
 
 
+@pytest.fixture
+def one_device(monkeypatch):
+    """`jax.devices()` as a reader's CPU has them: one. The suite forces four
+    CPU devices for its multi-device tests, where a step costs 8 to 13 times a
+    one-device step (collectives between threads on two cores); a program
+    that leaves the devices to flax_loop then trains on one, as the reader's
+    does (on four it computes the same: tests/test_loop.py)."""
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, "devices", lambda backend=None: one)
+
+
 @pytest.fixture(autouse=True)
 def fresh_console():
     """Every test starts and ends with flax_loop printing to the current stdout."""

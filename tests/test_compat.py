@@ -17,7 +17,7 @@ def with_imports_changed(program: str) -> str:
     return re.sub(r"^(from|import) flax_extra", r"\1 flax_loop", program, flags=re.MULTILINE)
 
 
-def test_flax_extra_program_runs_with_imports_changed(tmp_path, monkeypatch):
+def test_flax_extra_program_runs_with_imports_changed(tmp_path, monkeypatch, one_device):
     program = guide_program()
     original = re.sub(r"^(from|import) flax_loop", r"\1 flax_extra", program, flags=re.MULTILINE)
     assert "flax_loop" not in original and original.count("flax_extra") == 4

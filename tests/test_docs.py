@@ -70,19 +70,6 @@ def readme_use_section():
     return blocks
 
 
-@pytest.fixture
-def one_device(monkeypatch):
-    """`jax.devices()` as a reader's CPU has them: one. The suite forces four
-    CPU devices for its multi-device tests, where a step costs ~8 times a
-    one-device step (collectives between threads on two cores); a program
-    that leaves the devices to flax_loop then trains on one, as the reader's
-    does (on four it computes the same: tests/test_loop.py)."""
-    import jax
-
-    one = jax.devices()[:1]
-    monkeypatch.setattr(jax, "devices", lambda backend=None: one)
-
-
 def test_readme_use_section_runs(tmp_path, monkeypatch, one_device):
     monkeypatch.chdir(tmp_path)
     set_console(Console(file=io.StringIO()))
