@@ -85,6 +85,7 @@ def test_readme_use_section_runs(tmp_path, monkeypatch, one_device):
         exec(compile(block, "README.md", "exec"), namespace)
     loop = namespace["loop"]
     assert loop.step == loop.n_steps
+    assert len(loop.devices) == 1  # as on a reader's CPU (the one_device fixture holds)
     assert {name for name in os.listdir("ckpts") if name.endswith(".ckpt")} == {
         f"regular.{loop.n_steps - loop.n_steps_per_checkpoint}.ckpt",
         f"regular.{loop.n_steps}.ckpt",
