@@ -3,8 +3,8 @@
     python benchmarks/accounting.py [--rounds 5] [--steps 2000] [--json results/accounting.json]
 
 Every dispatch the loop reads the clock twice and adds two floats (where the
-time went, `flax_loop.throughput`); every checkpoint it adds an interval's parts
-and computes its rates (`flax_loop.throughput`). The script times the small
+time went, `flax_loop.run.throughput`); every checkpoint it adds an interval's parts
+and computes its rates (`flax_loop.run.throughput`). The script times the small
 MLP (64-32-10, batch 32, one device, one step a dispatch: the case where a
 step is cheapest, so any per-dispatch cost weighs most) through a TrainLoop,
 then times the accounting's per-dispatch statements alone, executed as the
@@ -31,7 +31,7 @@ import optax  # noqa: E402
 from harness import make_batches, timed_loop  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
-from flax_loop.throughput import TimeBreakdown  # noqa: E402
+from flax_loop.run.throughput import TimeBreakdown  # noqa: E402
 
 EVERY = 100
 

@@ -250,7 +250,7 @@ def anatomy(rounds, n_steps=3200):
     )
     whole = timed_loop(loop)
     whole(64)  # past the feed's first reads (it decides to read inline)
-    runner = loop._runner  # the set-up run's parts (flax_loop.runner)
+    runner = loop._runner  # the set-up run's parts (flax_loop.run.runner)
     one, key, feed = loop.compiled.programs["one"], runner.train_key, runner.feed
     plain = [((x,), (y,)) for x, y in batches]
 

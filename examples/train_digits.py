@@ -28,7 +28,7 @@ from flax_loop import (
     TrainLoop,
     TrainTask,
 )
-from flax_loop.console import SummaryLogger
+from flax_loop.output.console import SummaryLogger
 
 
 class MLP(nn.Module):
@@ -120,7 +120,7 @@ def main() -> None:
     try:
         import tensorboardX  # noqa: F401
 
-        from flax_loop.tensorboard import SummaryWriter
+        from flax_loop.output.tensorboard import SummaryWriter
 
         processors.append(SummaryWriter(os.path.join(args.output_dir, "tensorboard")))
     except ImportError:

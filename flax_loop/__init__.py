@@ -23,7 +23,9 @@ r"""flax_loop: an iterator-style managed training loop for JAX, Flax and Optax.
 # does not load JAX; `import flax_loop` itself is instant.
 from typing import TYPE_CHECKING
 
-from flax_loop._lazy import lazy
+from flax_loop._lazy import lazy, offer
+
+__version__ = "0.3.0.dev0"
 
 if TYPE_CHECKING:
     from flax_loop import errors, random
@@ -44,19 +46,18 @@ if TYPE_CHECKING:
         SavedState,
         Summary,
     )
-    from flax_loop.console import SummaryLogger
     from flax_loop.distributed import initialize_processes
     from flax_loop.errors import FlaxLoopError
     from flax_loop.evaluation import EvalLoop
-    from flax_loop.jsonlines import JsonLinesWriter
     from flax_loop.log import set_console
     from flax_loop.loop import TrainLoop
-    from flax_loop.metric_store import MLflowWriter
+    from flax_loop.output.console import SummaryLogger
+    from flax_loop.output.jsonlines import JsonLinesWriter
+    from flax_loop.output.metric_store import MLflowWriter
+    from flax_loop.output.tensorboard import SummaryWriter
     from flax_loop.parallel import DATA_AXIS
-    from flax_loop.profiling import ProfileSteps
+    from flax_loop.run.profiling import ProfileSteps
     from flax_loop.task import EvalTask, TrainTask
-    from flax_loop.tensorboard import SummaryWriter
-    from flax_loop.version import __version__
 
 _HOMES = {
     "Checkpoint": "flax_loop.checkpoint",
@@ -74,22 +75,30 @@ _HOMES = {
     "OrbaxCheckpointWriter": "flax_loop.checkpoint",
     "SavedState": "flax_loop.checkpoint",
     "Summary": "flax_loop.checkpoint",
-    "SummaryLogger": "flax_loop.console",
+    "SummaryLogger": "flax_loop.output.console",
     "initialize_processes": "flax_loop.distributed",
     "FlaxLoopError": "flax_loop.errors",
     "EvalLoop": "flax_loop.evaluation",
-    "JsonLinesWriter": "flax_loop.jsonlines",
+    "JsonLinesWriter": "flax_loop.output.jsonlines",
     "set_console": "flax_loop.log",
     "TrainLoop": "flax_loop.loop",
-    "MLflowWriter": "flax_loop.metric_store",
+    "MLflowWriter": "flax_loop.output.metric_store",
     "DATA_AXIS": "flax_loop.parallel",
-    "ProfileSteps": "flax_loop.profiling",
+    "ProfileSteps": "flax_loop.run.profiling",
     "EvalTask": "flax_loop.task",
     "TrainTask": "flax_loop.task",
-    "SummaryWriter": "flax_loop.tensorboard",
-    "__version__": "flax_loop.version",
+    "SummaryWriter": "flax_loop.output.tensorboard",
 }
 _HOMES.update({name: f"flax_loop.{name}" for name in ("checkpoint", "errors", "random")})
+# flax-extra programs import the summary writers from `flax_loop.checkpoint`:
+# offered there from here, so that the checkpoint package names no output.
+offer(
+    "flax_loop.checkpoint",
+    {
+        "SummaryLogger": "flax_loop.output.console",
+        "SummaryWriter": "flax_loop.output.tensorboard",
+    },
+)
 __getattr__, __dir__ = lazy("flax_loop", globals(), _HOMES)
 
 __all__ = [

@@ -1,7 +1,7 @@
-r"""`python -m flax_loop ls|verify|show ...`: the checkpoint inspector (`flax_loop.cli`)."""
+r"""`python -m flax_loop ls|verify|show ...`: the checkpoint inspector (`flax_loop.output.cli`)."""
 
 import sys
 
-from flax_loop.cli import main
+from flax_loop.output.cli import main
 
 sys.exit(main())

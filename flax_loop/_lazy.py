@@ -16,15 +16,29 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+_OFFERED: dict[str, dict[str, str]] = {}
+
+
+def offer(package: str, homes: Mapping[str, str]) -> None:
+    r"""Makes `homes`' names reachable from `package` too, as its own are.
+
+    A package above `package` in the layers offers its names there (the
+    output writers in `flax_loop.checkpoint`, where flax-extra programs
+    import them from) without `package` naming anything above it.
+    """
+    _OFFERED.setdefault(package, {}).update(homes)
+
 
 def lazy(
     package: str, namespace: dict[str, Any], homes: Mapping[str, str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     r"""A package's `__getattr__` and `__dir__` over `homes` (`{name:
-    module}`; a name whose module is `package.name` is that submodule)."""
+    module}`; a name whose module is `package.name` is that submodule) and
+    the names offered to it (`offer`)."""
+    offered = _OFFERED.setdefault(package, {})
 
     def __getattr__(name: str) -> Any:
-        home = homes.get(name)
+        home = homes.get(name) or offered.get(name)
         if home is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module = importlib.import_module(home)
@@ -33,6 +47,6 @@ def lazy(
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(homes))
+        return sorted(set(namespace) | set(homes) | set(offered))
 
     return __getattr__, __dir__

@@ -37,13 +37,13 @@ import numpy as np
 from flax.errors import ModifyScopeVariableError
 
 from flax_loop import distributed
-from flax_loop.batch import Batch, leading_size, normalize_batch
 from flax_loop.checkpoint import Checkpoint, Summary, expect, summarize
+from flax_loop.data.batch import Batch, leading_size, normalize_batch
+from flax_loop.data.source import DataSource
 from flax_loop.errors import ApplyError, ConfigError, DataExhaustedError, check_count
-from flax_loop.modules import as_apply
 from flax_loop.parallel import InFlight, Placement, to_host
 from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
-from flax_loop.source import DataSource
+from flax_loop.step.modules import as_apply
 from flax_loop.task import EvalTask
 
 Totals = dict[str, jax.Array]

@@ -39,20 +39,20 @@ from flax.core.scope import CollectionFilter
 from jax.sharding import Mesh
 
 from flax_loop import distributed
-from flax_loop.assemble import (
+from flax_loop.checkpoint import Checkpoint
+from flax_loop.errors import ConfigError, check_count
+from flax_loop.parallel import DATA_AXIS
+from flax_loop.run.assemble import (
     DEFAULT_MUTABLE_COLLECTIONS,
     Collections,
     Options,
     assemble,
 )
-from flax_loop.checkpoint import Checkpoint
-from flax_loop.compiled import CompiledSteps
-from flax_loop.errors import ConfigError, check_count
-from flax_loop.initial import InitFn, Reader
-from flax_loop.parallel import DATA_AXIS
-from flax_loop.preemption import quiet_interrupt
-from flax_loop.profiling import ProfileSteps
-from flax_loop.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding
+from flax_loop.run.initial import InitFn, Reader
+from flax_loop.run.preemption import quiet_interrupt
+from flax_loop.run.profiling import ProfileSteps
+from flax_loop.step.compiled import CompiledSteps
+from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding
 from flax_loop.task import TrainTask
 
 __all__ = ["MAX_STEPS", "DEFAULT_MUTABLE_COLLECTIONS", "Collections", "TrainLoop"]
@@ -216,19 +216,19 @@ class TrainLoop:
 
     def memory_plan(self) -> dict[str, Any]:
         r"""The bytes each device holds while training, by part, and `total`
-        (`flax_loop.memory`); set-up refuses a plan over a device's memory."""
+        (`flax_loop.run.memory`); set-up refuses a plan over a device's memory."""
         return self._runner.memory_plan()
 
     @property
     def time_breakdown(self) -> dict[str, float]:
-        r"""where the run's time went so far, in seconds (`flax_loop.throughput`);
+        r"""where the run's time went so far, in seconds (`flax_loop.run.throughput`);
         each checkpoint's `time_breakdown` holds its interval's."""
         return self._runner.times.totals()
 
     @property
     def peak_flops(self) -> float | None:
         r"""one device's peak FLOP/s, for `Checkpoint.throughput`'s `mfu`:
-        known for recent GPUs and TPUs (`flax_loop.throughput.PEAK_FLOPS`),
+        known for recent GPUs and TPUs (`flax_loop.run.throughput.PEAK_FLOPS`),
         or set (`loop.peak_flops = 989e12`); `None` when unknown."""
         return self._runner.throughput.peak_flops
 

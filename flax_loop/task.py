@@ -1,15 +1,16 @@
 r"""Descriptions of what to train and how to evaluate: data, never behaviour."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import optax
 
-from flax_loop.batch import DataStream
+from flax_loop.data.batch import DataStream
 from flax_loop.errors import ConfigError
-from flax_loop.modules import is_nnx
-from flax_loop.objective import LossFn, check_compute_loss
+from flax_loop.step.core import Transform
+from flax_loop.step.modules import is_nnx
+from flax_loop.step.objective import LossFn, check_compute_loss
 
 MetricFn = Callable[..., Any]
 
@@ -96,6 +97,15 @@ class TrainTask:
     change and are not saved in checkpoints. `compute_loss` gets them as its
     keyword argument `frozen`: NNX modules in evaluation mode, anything else
     (a linen model's variables) as given."""
+
+    transforms: Sequence[Transform] = ()
+    r"""transforms of the task's step, applied in order after the task's
+    own (its losses and optimizers), before the moving average and the
+    skipping of non-finite steps: functions `transform(step) -> step` of a
+    `flax_loop.step.Step`, as `optax.chain` composes transformations. A
+    transform that carries a field of its own declares it
+    (`Step.fields`): the loop places, saves, restores and counts it by that
+    name (`Checkpoint.carried`)."""
 
     tokens: Any = None
     r"""`tokens(batch) -> int`: the tokens of a batch, for
@@ -212,6 +222,12 @@ def check_train_task(task: Any) -> TrainTask:
                 f"task.{field} names {list(value)} but task.optimizer names {names}: "
                 "give both the same names, in the order each step runs them."
             )
+    transforms = getattr(task, "transforms", ())
+    if not isinstance(transforms, Sequence) or not all(map(callable, transforms)):
+        raise ConfigError(
+            f"task.transforms must be a list of functions transform(step) -> step "
+            f"(flax_loop.step.Transform); got {transforms!r}."
+        )
     if loss is None:
         losses = compute_loss if isinstance(compute_loss, Mapping) else {None: compute_loss}
         for name, fn in losses.items():

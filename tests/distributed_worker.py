@@ -184,11 +184,11 @@ def main() -> None:
                 n_steps=None,
             )(checkpoint)
             result["accuracy"] = np.asarray(summary.metrics["eval"]["accuracy"])
-            from flax_loop.console import SummaryLogger
+            from flax_loop.output.console import SummaryLogger
 
             SummaryLogger()(summary)
             if args.tensorboard:
-                from flax_loop.tensorboard import SummaryWriter
+                from flax_loop.output.tensorboard import SummaryWriter
 
                 with SummaryWriter(args.tensorboard) as tensorboard:
                     tensorboard(summary)

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from flax_loop import TrainLoop, TrainTask
-from flax_loop.batch import BatchSpec, normalize_batch
+from flax_loop.data.batch import BatchSpec, normalize_batch
 from flax_loop.errors import BatchError
 from tests.helpers import MLP, batches, cross_entropy, digits_split, relative_difference
 

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from flax_loop import CheckpointFileWriter, HighestCheckpointFileWriter, OrbaxCheckpointWriter
 from flax_loop.checkpoint import Summary, list_checkpoints
-from flax_loop.cli import main
+from flax_loop.output.cli import main
 from tests.helpers import ROOT, digits_loop
 
 
@@ -179,7 +179,7 @@ def test_the_module_and_console_script_run(files):
 def test_listing_files_loads_neither_jax_nor_orbax(files):
     program = (
         "import sys\n"
-        "from flax_loop import cli\n"
+        "from flax_loop.output import cli\n"
         "codes = [cli.main(args) for args in sys.argv[1:] and "
         "[['ls', sys.argv[1]], ['verify', sys.argv[1]], ['show', sys.argv[2]]]]\n"
         "print(codes, sorted(m for m in ('jax', 'orbax', 'flax') if m in sys.modules))\n"

@@ -14,8 +14,8 @@ from rich.console import Console
 
 from flax_loop import TrainLoop, TrainTask
 from flax_loop.log import set_console
-from flax_loop.preemption import PreemptionGuard
-from flax_loop.progress import ProgressReport
+from flax_loop.run.preemption import PreemptionGuard
+from flax_loop.run.progress import ProgressReport
 from tests.helpers import MLP, ROOT, batches, cross_entropy, digits_split
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()

@@ -9,6 +9,7 @@ import pytest
 
 import flax_loop
 import flax_loop.checkpoint
+import flax_loop.step
 from tests.helpers import ROOT
 
 pytest.importorskip("myst_nb")
@@ -63,11 +64,11 @@ def test_every_public_name_is_documented(site):
     html = (site / "api.html").read_text()
     anchors = set(re.findall(r'id="(flax_loop[\w.]*)"', html))
     names = [n for n in flax_loop.__all__ if n not in MODULES_NOT_NAMES]
-    names += list(flax_loop.checkpoint.__all__)
-    homes = ("flax_loop", "flax_loop.checkpoint", "flax_loop.errors")
+    names += list(flax_loop.checkpoint.__all__) + list(flax_loop.step.__all__)
+    homes = ("flax_loop", "flax_loop.checkpoint", "flax_loop.errors", "flax_loop.step")
     missing = [name for name in names if not any(f"{home}.{name}" in anchors for home in homes)]
     assert not missing, f"public names without an API entry: {missing}"
-    for module in (flax_loop, flax_loop.checkpoint):
+    for module in (flax_loop, flax_loop.checkpoint, flax_loop.step):
         for name in module.__all__:
             value = getattr(module, name)
             if callable(value) and name not in MODULES_NOT_NAMES:

@@ -24,9 +24,9 @@ from flax_loop import (
     TrainTask,
     set_console,
 )
-from flax_loop.console import SummaryLogger
 from flax_loop.errors import DataExhaustedError
-from flax_loop.tensorboard import SummaryWriter
+from flax_loop.output.console import SummaryLogger
+from flax_loop.output.tensorboard import SummaryWriter
 from tests.helpers import (
     MLP,
     BatchNormDropoutNet,

@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 
+from flax_loop.data.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, BatchFeed
+from flax_loop.data.prefetch import GAVE_UP
+from flax_loop.data.readahead import PROBE_READS, ReadAhead
+from flax_loop.data.source import CheckedBatches
 from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
-from flax_loop.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, BatchFeed
 from flax_loop.parallel import Placement
-from flax_loop.prefetch import GAVE_UP
-from flax_loop.readahead import PROBE_READS, ReadAhead
-from flax_loop.source import CheckedBatches
 
 
 def batch(size=8, features=3, value=0.0):
@@ -235,7 +235,7 @@ def test_a_restored_feed_reads_on_from_the_saved_position():
     ],
 )
 def test_each_bad_option_is_refused_by_name(options, named):
-    from flax_loop.assemble import Options
+    from flax_loop.run.assemble import Options
 
     with pytest.raises(ConfigError, match=named):
         Options(**options)
@@ -244,7 +244,7 @@ def test_each_bad_option_is_refused_by_name(options, named):
 def test_options_are_checked_once_and_frozen():
     import dataclasses
 
-    from flax_loop.assemble import Options
+    from flax_loop.run.assemble import Options
 
     options = Options(steps_per_dispatch=4, prefetch=2)
     assert (options.steps_per_dispatch, options.prefetch, options.nonfinite) == (4, 2, "raise")

@@ -16,9 +16,10 @@ import pytest
 from flax import nnx
 from rich.console import Console
 
-from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask, cli
+from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
 from flax_loop.checkpoint._frozen import digest, flatten
 from flax_loop.errors import CheckpointMismatchError
+from flax_loop.output import cli
 from tests.helpers import cross_entropy
 from tests.test_general_steps import SEED, LoRANet, same, stream
 

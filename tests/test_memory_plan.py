@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from flax_loop import memory
 from flax_loop.errors import ConfigError
+from flax_loop.run import memory
 from tests.helpers import MLP, digits_loop
 
 WIDE = MLP(features=(512, 256))
@@ -34,19 +34,19 @@ def test_the_plan_is_what_the_devices_hold(n_devices, sharding):
     for device in jax.devices()[:n_devices]:
         assert plan["params"] == bytes_on(checkpoint.model_params, device)
         assert plan["optimizer_state"] == bytes_on(checkpoint.optimizer_state, device)
-        assert plan["ema"] == bytes_on(checkpoint.ema_params, device)
+        assert plan["ema_params"] == bytes_on(checkpoint.ema_params, device)
     # a batch of 32 rows of 64 float32 inputs and int32 labels, split over the devices
     assert plan["batch"] == 32 * (64 + 1) * 4 // n_devices
-    assert plan["checkpoint"] == plan["params"] + plan["optimizer_state"] + plan["ema"]
+    assert plan["checkpoint"] == plan["params"] + plan["optimizer_state"] + plan["ema_params"]
     assert plan["temporaries"] > 0
-    assert plan["total"] == sum(plan[part] for part in memory.PARTS)
+    assert plan["total"] == sum(value for part, value in plan.items() if part != "total")
 
 
 def test_fsdp_holds_a_quarter_of_the_state_a_device():
     replicated = wide_loop(4, sharding="replicated").memory_plan()
     fsdp = wide_loop(4, sharding="fsdp", fsdp_min_bytes=0).memory_plan()
-    full = replicated["params"] + replicated["optimizer_state"] + replicated["ema"]
-    split = fsdp["params"] + fsdp["optimizer_state"] + fsdp["ema"]
+    full = replicated["params"] + replicated["optimizer_state"] + replicated["ema_params"]
+    split = fsdp["params"] + fsdp["optimizer_state"] + fsdp["ema_params"]
     assert split == pytest.approx(full / 4, rel=0.01)
 
 

@@ -17,8 +17,8 @@ from flax_loop import (
     TrainLoop,
     TrainTask,
 )
-from flax_loop.modules import NNXModel
 from flax_loop.random import step_keys, train_key
+from flax_loop.step.modules import NNXModel
 from tests.helpers import (
     ResumableBatches,
     accuracy,

@@ -12,7 +12,7 @@ import jax
 import pytest
 from jax._src import array as array_module
 
-from flax_loop.interval import Intervals
+from flax_loop.run.interval import Intervals
 from tests.helpers import BatchNormDropoutNet, digits_loop
 
 

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from flax_loop.checkpoint import Checkpoint, CheckpointFile, SavedState
-from flax_loop.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, BatchFeed, DispatchPlan, variant
+from flax_loop.data.feed import (
+    LAST,
+    MANY,
+    MANY_LAST,
+    ONE,
+    SHORTER,
+    BatchFeed,
+    DispatchPlan,
+    variant,
+)
 from flax_loop.parallel import Placement
 from tests.helpers import ResumableBatches, digits_loop, digits_split
 
@@ -101,7 +110,8 @@ def test_the_feed_reads_single_steps_when_the_stream_cuts_a_group_short():
 
 def test_the_saved_state_is_one_record_for_every_form():
     arrays = {"model_params": {"w": np.ones(3)}, "model_state": {}, "optimizer_state": ()}
-    saved = SavedState(**arrays, step=4, ema_params={"w": np.zeros(3)}, data_state={"p": 4})
+    carried = {"ema_params": {"w": np.zeros(3)}}
+    saved = SavedState(**arrays, step=4, carried=carried, data_state={"p": 4})
     checkpoint = Checkpoint.from_saved(
         saved, grads={}, loss=0.5, n_completed_steps=2, elapsed_time=0.1
     )

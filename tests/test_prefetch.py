@@ -9,8 +9,8 @@ import optax
 import pytest
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
+from flax_loop.data.readahead import PROBE_READS
 from flax_loop.errors import ConfigError
-from flax_loop.readahead import PROBE_READS
 from tests.helpers import (
     MLP,
     FlakyBatches,

@@ -7,7 +7,7 @@ import optax
 from rich.console import Console
 
 from flax_loop import TrainLoop, TrainTask, set_console
-from flax_loop.progress import ProgressReport
+from flax_loop.run.progress import ProgressReport
 from tests.helpers import MLP, batches, cross_entropy, digits_loop, digits_split
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
@@ -62,7 +62,7 @@ def test_bar_in_a_terminal():
 
 def test_report_throttles_updates(monkeypatch):
     clock = iter([0.0, 0.01, 0.02, 0.5, 0.6])
-    monkeypatch.setattr("flax_loop.progress.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("flax_loop.run.progress.time.perf_counter", lambda: next(clock))
     buffer = io.StringIO()
     report = ProgressReport(Console(file=buffer, force_terminal=False))
     shown = []

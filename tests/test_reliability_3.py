@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from flax_loop import CheckpointFileReader, CheckpointFileWriter, Summary, SummaryLogger, cli
+from flax_loop import CheckpointFileReader, CheckpointFileWriter, Summary, SummaryLogger
 from flax_loop.checkpoint import _format, _lock, _parse, list_checkpoints
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.log import set_console
+from flax_loop.output import cli
 from tests.helpers import ROOT, digits_loop, digits_split, file_names
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
@@ -388,7 +389,7 @@ def test_listing_races_a_pruning_writer_without_error(tmp_path):
 def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monkeypatch):
     import optax
 
-    from flax_loop import compiled
+    from flax_loop.step import compiled
     from tests.helpers import ResumableBatches, relative_difference
 
     def run(source):
@@ -498,8 +499,8 @@ def test_a_variable_whose_dtype_a_step_changes_is_named_in_both_layouts(monkeypa
     import flax.linen as nn
     import jax.numpy as jnp
 
-    from flax_loop import compiled
     from flax_loop.errors import ApplyError
+    from flax_loop.step import compiled
     from tests.helpers import MLP
 
     class Counting(nn.Module):
@@ -569,8 +570,9 @@ def test_json_lines_hold_vectors_and_none_and_a_failed_write_leaves_no_partial_l
     import errno
     import json
 
-    from flax_loop import JsonLinesWriter, jsonlines
+    from flax_loop import JsonLinesWriter
     from flax_loop.errors import MetricError
+    from flax_loop.output import jsonlines
 
     checkpoint = one_checkpoint()
     path = tmp_path / "metrics.jsonl"

@@ -12,7 +12,7 @@ import pytest
 
 from flax_loop import JsonLinesWriter, TrainLoop, TrainTask
 from flax_loop.errors import ConfigError
-from flax_loop.throughput import PEAK_FLOPS, device_peak
+from flax_loop.run.throughput import PEAK_FLOPS, device_peak
 from tests.helpers import cross_entropy
 
 WIDTHS = (64, 512, 512, 10)

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from flax_loop.throughput import PARTS, describe, goodput
+from flax_loop.checkpoint import goodput
+from flax_loop.run.throughput import PARTS, describe
 from tests.helpers import batches, digits_loop, digits_split
 
 X, Y, _, _ = digits_split()

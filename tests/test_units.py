@@ -15,8 +15,9 @@ from jax.sharding import Mesh, PartitionSpec
 from flax_loop.checkpoint import _format, _parse
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.random import eval_key, init_key, step_keys, train_key
-from flax_loop.state import TrainState, all_finite, close_interval
-from flax_loop.step import build_update
+from flax_loop.step.build import build_update
+from flax_loop.step.nonfinite import all_finite
+from flax_loop.step.state import TrainState, close_interval
 from tests.helpers import MLP, cross_entropy, digits_split
 
 X, Y, _, _ = digits_split()
@@ -30,12 +31,21 @@ def params():
     return MODEL.init(jax.random.key(0), X[:1])["params"]
 
 
+def state_of(optimizer, step=0):
+    fields = {
+        "model_params": params(),
+        "model_state": {},
+        "optimizer_state": optimizer.init(params()),
+    }
+    return TrainState.create(fields, step=step)
+
+
 def sgd_state(lr=0.1):
-    return TrainState.create(params(), {}, optax.sgd(lr).init(params()), step=0)
+    return state_of(optax.sgd(lr))
 
 
 def test_update_is_one_sgd_step():
-    update = build_update(MODEL.apply, cross_entropy, optax.sgd(0.1), [], False, None)
+    update, _ = build_update(MODEL.apply, cross_entropy, optax.sgd(0.1), [], False, None)
     state, (loss, grads) = jax.jit(update)(sgd_state(), BATCH, jax.random.key(0))
 
     def reference_loss(params):
@@ -58,8 +68,8 @@ def test_update_is_one_sgd_step():
 
 def test_per_device_update_with_pmean_equals_the_global_update():
     mesh = Mesh(np.array(jax.devices()), (DATA_AXIS,))
-    local = build_update(MODEL.apply, cross_entropy, optax.sgd(0.1), [], False, None)
-    per_device = build_update(MODEL.apply, cross_entropy, optax.sgd(0.1), [], False, DATA_AXIS)
+    local, _ = build_update(MODEL.apply, cross_entropy, optax.sgd(0.1), [], False, None)
+    per_device, _ = build_update(MODEL.apply, cross_entropy, optax.sgd(0.1), [], False, DATA_AXIS)
     sharded = jax.shard_map(
         per_device,
         mesh=mesh,
@@ -80,10 +90,8 @@ def test_skipping_a_nonfinite_step_keeps_params_and_optimizer_state():
     def nan_loss(logits, labels):
         return cross_entropy(logits, labels) * jnp.nan
 
-    update = build_update(
-        MODEL.apply, nan_loss, optax.adam(0.1), [], False, None, skip_nonfinite=True
-    )
-    state = TrainState.create(params(), {}, optax.adam(0.1).init(params()), step=3)
+    update, _ = build_update(MODEL.apply, nan_loss, optax.adam(0.1), [], False, None, skip=True)
+    state = state_of(optax.adam(0.1), step=3)
     new, _ = jax.jit(update)(state, BATCH, jax.random.key(0))
     assert new.counters.tolist() == [4, 1, 4]
     jax.tree.map(np.testing.assert_array_equal, new.model_params, params())

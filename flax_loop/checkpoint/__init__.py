@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         Summary,
         expect,
     )
+    from flax_loop.checkpoint._frozen import put_back as put_back
+    from flax_loop.checkpoint._frozen import taken_from as taken_from
     from flax_loop.checkpoint._inventory import (
         CheckpointContents,
         CheckpointEntry,
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from flax_loop.checkpoint._orbax_reader import OrbaxCheckpointReader
     from flax_loop.checkpoint._reader import CheckpointFileReader
     from flax_loop.checkpoint._summary import as_summary, summarize, train_statistics
+    from flax_loop.checkpoint._summary import goodput as goodput
     from flax_loop.checkpoint._writer import CheckpointFileWriter
 
 _HOMES = {
@@ -62,14 +65,14 @@ _HOMES = {
     "Saved": "flax_loop.checkpoint._checkpoint",
     "SavedState": "flax_loop.checkpoint._checkpoint",
     "as_summary": "flax_loop.checkpoint._summary",
+    # for the layers above (set-up puts frozen parameters back, the meter
+    # reports goodput); not part of the documented API
+    "put_back": "flax_loop.checkpoint._frozen",
+    "taken_from": "flax_loop.checkpoint._frozen",
+    "goodput": "flax_loop.checkpoint._summary",
     "summarize": "flax_loop.checkpoint._summary",
     "train_statistics": "flax_loop.checkpoint._summary",
     "CheckpointFileWriter": "flax_loop.checkpoint._writer",
-    # Output, not checkpoints (they live in `flax_loop.console` and
-    # `flax_loop.tensorboard`): offered here too, where flax-extra programs
-    # import them from.
-    "SummaryLogger": "flax_loop.console",
-    "SummaryWriter": "flax_loop.tensorboard",
 }
 
 

@@ -19,10 +19,12 @@ each other by the record's field names, never field by field:
 >>> halved.model_params["w"], halved.step
 (array([0.5, 0.5]), 7)
 
-A new field of the saved state is declared in `Saved` (and carried by the
-compiled step): every form, file and reader follows from the names. The
+A field the step carries besides the parameters, the model state and the
+optimizer state is declared by the step (`flax_loop.step.Step.fields`) and
+travels in `carried` by its name: every form, file and reader follows from
+the names. The
 run's key is stored as its implementation's name and raw data
-(`key_data`), in files and Orbax items alike.
+(`flax_loop.checkpoint._names.key_data`), in files and Orbax items alike.
 """
 
 import dataclasses
@@ -31,10 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import jax
-import numpy as np
 
-from flax_loop.checkpoint._format import FORMAT_VERSION
-from flax_loop.checkpoint._names import LeftOut
+from flax_loop.checkpoint._names import FORMAT_VERSION, LeftOut
 from flax_loop.errors import ConfigError
 
 Metrics = Mapping[str, Any]
@@ -47,13 +47,9 @@ _Form = TypeVar("_Form", bound="Saved")
 class Saved:
     r"""The fields every form of the saved state has (the record's, but the step)."""
 
-    ARRAYS: ClassVar[tuple[str, ...]] = (
-        "model_params",
-        "model_state",
-        "optimizer_state",
-        "ema_params",
-    )
-    r"""the fields that hold device arrays: what a checkpoint copies and a file stores."""
+    CORE: ClassVar[tuple[str, ...]] = ("model_params", "model_state", "optimizer_state")
+    r"""the array fields every saved state has; the step declares any others
+    (`carried`)."""
 
     model_params: Any
     r"""parameters of the model at the checkpoint."""
@@ -64,9 +60,11 @@ class Saved:
     optimizer_state: Any
     r"""a state of the optimizer at the checkpoint."""
 
-    ema_params: Any = field(default=None, kw_only=True, repr=False)
-    r"""the exponential moving average of the parameters, with
-    `TrainLoop(ema_decay=...)`; `None` without."""
+    carried: dict[str, Any] = field(default_factory=dict, kw_only=True, repr=False)
+    r"""the other arrays the step carries from step to step, by the names it
+    declares them under (`flax_loop.step.Step.fields`): the moving average
+    of the parameters as `ema_params` with `TrainLoop(ema_decay=...)`.
+    Saved, restored and laid out as the three fields above."""
 
     rnkey: jax.Array | None = field(default=None, kw_only=True, repr=False)
     r"""the run's key, kept so that a resumed run draws the same random numbers."""
@@ -74,6 +72,12 @@ class Saved:
     data_state: Any = field(default=None, kw_only=True, repr=False)
     r"""the data iterator's `get_state()` at this step, when it has one
     (restored with `set_state` on resume)."""
+
+    @property
+    def ema_params(self) -> Any:
+        r"""the exponential moving average of the parameters, with
+        `TrainLoop(ema_decay=...)`; `None` without."""
+        return self.carried.get("ema_params")
 
     def saved_state(self) -> "SavedState":
         r"""The record of what this holds that a run resumes from."""
@@ -85,14 +89,21 @@ class Saved:
         return cls(**{name: getattr(saved, name) for name in SAVED_FIELDS}, **extras)
 
     def arrays(self) -> dict[str, Any]:
-        r"""`{name: tree}` of the fields that hold arrays (`ARRAYS`)."""
-        return {name: getattr(self, name) for name in self.ARRAYS}
+        r"""`{name: tree}` of every array field: `CORE`, then `carried`."""
+        return {**{name: getattr(self, name) for name in self.CORE}, **self.carried}
+
+    def with_arrays(self: _Form, arrays: Mapping[str, Any]) -> _Form:
+        r"""A copy holding `arrays` (`{name: tree}`, as `arrays()` gives them):
+        `CORE` names replace those fields, the others are the new `carried`."""
+        core = {name: arrays[name] for name in self.CORE if name in arrays}
+        carried = {name: tree for name, tree in arrays.items() if name not in self.CORE}
+        return dataclasses.replace(self, **core, carried=carried)
 
     def map_arrays(self: _Form, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> _Form:
         r"""A copy whose array fields are `fn(self.arrays())` (one call over
         all of them: one host transfer, one compiled program); the other
         fields are kept as they are."""
-        return dataclasses.replace(self, **fn(self.arrays()))
+        return self.with_arrays(fn(self.arrays()))
 
 
 @dataclass
@@ -105,14 +116,6 @@ class SavedState(Saved):
 
 SAVED_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(SavedState))
 r"""The names of the record's fields."""
-
-REQUIRED_ARRAYS: tuple[str, ...] = tuple(
-    field.name
-    for field in dataclasses.fields(SavedState)
-    if field.name in Saved.ARRAYS and field.default is dataclasses.MISSING
-)
-r"""The array fields every saved state has; the others (a moving average)
-may be absent (`None`), and are then left out of files."""
 
 
 @dataclass
@@ -158,17 +161,6 @@ class CheckpointFile(Saved):
     save_frozen=False)`): their paths and a digest of their values, which a
     resumed run takes from its initialization and checks; `None` when the
     file holds every parameter."""
-
-
-def key_data(key: jax.Array) -> tuple[str, np.ndarray]:
-    r"""The implementation name and raw data of a typed key, as saved."""
-    impl = str(jax.random.key_impl(key))
-    return impl, np.asarray(jax.random.key_data(key))
-
-
-def key_from_data(impl: str, data: np.ndarray) -> jax.Array:
-    r"""Rebuilds a typed key from `key_data`'s output."""
-    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
 
 
 @dataclass
@@ -236,8 +228,13 @@ class Checkpoint(Saved):
     r"""where the interval's wall time went, in seconds: `compile`, `data`
     (waiting for batches), `device` (the devices' steps), `caller` (your
     code since the previous checkpoint) and `wall`, their sum; `device /
-    wall` is the goodput (`flax_loop.throughput`). `{}` for a checkpoint not
+    wall` is the goodput (`flax_loop.run.throughput`). `{}` for a checkpoint not
     made by a loop."""
+
+    mirrors_params: tuple[str, ...] = field(default=(), kw_only=True, repr=False)
+    r"""the `carried` fields shaped as the parameters whose frozen entries are
+    the parameters' (a moving average): a file that leaves the frozen
+    parameters out leaves theirs out too."""
 
     frozen: Any = field(default=None, kw_only=True, repr=False)
     r"""which parameters no optimizer trains (`TrainTask(trainable=...)`): a

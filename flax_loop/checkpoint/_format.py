@@ -30,7 +30,13 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX
+from flax_loop.checkpoint._names import (
+    FORMAT_VERSION,
+    SUFFIX,
+    TEMPORARY_PREFIX,
+    key_data,
+    key_from_data,
+)
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
@@ -39,7 +45,6 @@ if TYPE_CHECKING:
     from flax_loop.checkpoint._checkpoint import CheckpointFile
 
 FORMAT_NAME = "flax_loop.checkpoint"
-FORMAT_VERSION = 1
 MAGIC = b"FLAXLOOP"
 END_MAGIC = b"POOLXALF"
 _HEAD = struct.Struct("<8sI")
@@ -279,8 +284,6 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
     if file.left_out is not None:
         meta["frozen"] = file.left_out.to_meta()
     if file.rnkey is not None:
-        from flax_loop.checkpoint._checkpoint import key_data
-
         impl, data = key_data(file.rnkey)
         meta["rnkey"] = {"impl": impl, "data": data.tolist()}
     final = os.path.join(directory, file_name(prefix, int(file.step)))
@@ -311,8 +314,6 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
 
 def restore_key(meta: dict[str, Any], path: str) -> "jax.Array | None":
     r"""The run's key stored in a file's metadata, if any."""
-    from flax_loop.checkpoint._checkpoint import key_from_data
-
     entry = meta.get("rnkey")
     if not isinstance(entry, dict):
         return None

@@ -12,6 +12,9 @@ from typing import Any
 
 import msgpack
 
+FORMAT_VERSION = 1
+r"""The version of the file format this package writes (and the newest it reads)."""
+
 SUFFIX = ".ckpt"
 TEMPORARY_PREFIX = ".tmp."
 REGULAR_PREFIX = "regular."
@@ -27,14 +30,44 @@ class LeftOut:
     digest: str
     r"""a digest of their values (`flax_loop.checkpoint._frozen.digest`)."""
 
+    fields: tuple[str, ...] = ("model_params",)
+    r"""the array fields they were left out of: the parameters, and the
+    carried fields that mirror them (`Checkpoint.mirrors_params`)."""
+
     def to_meta(self) -> dict[str, Any]:
-        return {"paths": list(self.paths), "digest": self.digest}
+        return {"paths": list(self.paths), "digest": self.digest, "fields": list(self.fields)}
 
     @classmethod
     def from_meta(cls, meta: Any) -> "LeftOut | None":
         if not isinstance(meta, dict):
             return None
-        return cls(tuple(str(path) for path in meta.get("paths", ())), str(meta.get("digest")))
+        # files written before the fields were recorded cut them from these two
+        fields = meta.get("fields", _FIELDS_BEFORE_RECORDED)
+        return cls(
+            tuple(str(path) for path in meta.get("paths", ())),
+            str(meta.get("digest")),
+            tuple(str(name) for name in fields) if isinstance(fields, list) else (),
+        )
+
+
+_FIELDS_BEFORE_RECORDED = ["model_params", "ema_params"]
+
+
+def key_data(key: Any) -> tuple[str, Any]:
+    r"""The implementation name and raw data of a typed key, as saved."""
+    import jax  # only where a key is saved or restored: listings load no JAX
+    import numpy as np
+
+    impl = str(jax.random.key_impl(key))
+    return impl, np.asarray(jax.random.key_data(key))
+
+
+def key_from_data(impl: str, data: Any) -> Any:
+    r"""Rebuilds a typed key from `key_data`'s output."""
+    import jax
+    import numpy as np
+
+    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
 
 
 def array_names(tree: Any) -> dict[int, str]:

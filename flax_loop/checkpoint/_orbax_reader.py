@@ -25,7 +25,6 @@ from flax_loop.checkpoint._orbax_store import (
     PARTS,
     STATE_ITEM,
     abstract_tree,
-    array_shapes,
     check_compatible,
     decode_meta,
     first_line,
@@ -144,11 +143,13 @@ class OrbaxCheckpointReader:
             )
         abstract = {part: abstract_tree(getattr(template, part)) for part in PARTS}
         index = manager.item_metadata(step)[STATE_ITEM]
-        stored_ema = any(
-            path.startswith("ema_params/") for path in array_shapes(getattr(index, "tree", index))
-        )
-        if stored_ema:  # restored whether or not the loop keeps an average: dropped if not
-            abstract["ema_params"] = abstract_tree(template.model_params)
+        stored = getattr(index, "tree", index)
+        carried = {name: tree for name, tree in template.carried.items() if tree is not None}
+        for name in stored if isinstance(stored, dict) else ():
+            # a field the step carried is restored: into the loop's layout when
+            # the loop carries it too, else as stored (and then dropped)
+            if name not in abstract:
+                abstract[name] = abstract_tree(carried.get(name, stored[name]))
         check_compatible(index, abstract, where)
         state = restore_tree(
             manager.restore,
@@ -158,11 +159,8 @@ class OrbaxCheckpointReader:
             args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)}),
         )[STATE_ITEM]
         return CheckpointFile(
-            # an array field the template leaves out (no moving average) is dropped
-            **{
-                name: state.get(name) if getattr(template, name) is not None else None
-                for name in CheckpointFile.ARRAYS
-            },
+            **{name: state[name] for name in PARTS},
+            carried={name: state[name] for name in state if name in carried},
             step=step,
             metrics=meta.get("metrics") or {},
             version=FORMAT_VERSION,

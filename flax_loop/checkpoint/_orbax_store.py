@@ -19,7 +19,8 @@ import jax
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._checkpoint import REQUIRED_ARRAYS, CheckpointFile, key_data
+from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved
+from flax_loop.checkpoint._names import key_data
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -31,7 +32,7 @@ from flax_loop.parallel import key_names
 FORMAT_NAME = "flax_loop.orbax"
 FORMAT_VERSION = 1
 STATE_ITEM, META_ITEM = "state", "meta"
-PARTS = REQUIRED_ARRAYS
+PARTS = Saved.CORE
 
 
 def orbax_module() -> Any:

@@ -1,13 +1,12 @@
 r"""Reading the newest intact checkpoint file of a directory."""
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from flax import serialization
 
-from flax_loop.checkpoint._checkpoint import REQUIRED_ARRAYS, CheckpointFile, Saved
+from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved
 from flax_loop.checkpoint._format import list_steps, restore_key
 from flax_loop.checkpoint._frozen import flatten, inserted
 from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut
@@ -20,7 +19,7 @@ from flax_loop.errors import (
 )
 from flax_loop.log import log
 
-STATE_PARTS = REQUIRED_ARRAYS
+STATE_PARTS = Saved.CORE
 r"""The parts of a checkpoint file that every file holds."""
 
 
@@ -102,7 +101,8 @@ class CheckpointFileReader:
                     "file's permissions or disk, or move it away."
                 ) from error
             return CheckpointFile(
-                **{name: tree.get(name) for name in Saved.ARRAYS},
+                **{name: tree.get(name) for name in Saved.CORE},
+                carried={name: arrays for name, arrays in tree.items() if name not in Saved.CORE},
                 step=int(meta["step"]),
                 metrics=meta.get("metrics") or {},
                 version=int(meta.get("version", 0)),
@@ -186,28 +186,26 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
         CheckpointMismatchError: naming the file and the paths that differ.
     """
     path = file.path or "the checkpoint"
-    # A moving average is restored when the loop keeps one and the file has
-    # one; a loop that starts keeping one starts it from the parameters.
+    # A carried field (a moving average) is restored when the loop carries it
+    # and the file has it; a loop that starts carrying one starts it afresh
+    # (the step's `init`), and one the loop no longer carries is dropped.
+    wanted, held = template.arrays(), file.arrays()
     parts = STATE_PARTS + tuple(
-        name
-        for name in Saved.ARRAYS
-        if name not in STATE_PARTS
-        and getattr(template, name) is not None
-        and getattr(file, name) is not None
+        name for name in template.carried if wanted[name] is not None and name in held
     )
-    want = flatten({part: serialization.to_state_dict(getattr(template, part)) for part in parts})
+    want = flatten({part: serialization.to_state_dict(wanted[part]) for part in parts})
     # Frozen parameters the file left out take the template's place (their
     # values come from the run's initialization, checked against the digest).
-    stored = {part: getattr(file, part) for part in parts}
+    stored = {part: held.get(part) for part in parts}
     if file.left_out is not None:
-        for part in ("model_params", "ema_params"):
+        for part in file.left_out.fields:
             if part in parts:
-                model = flatten(serialization.to_state_dict(getattr(template, part)))
+                model = flatten(serialization.to_state_dict(wanted[part]))
                 stored[part] = inserted(
                     stored[part] or {},
                     {p: _placeholder(model.get(p)) for p in file.left_out.paths},
                 )
-    file = dataclasses.replace(file, **{part: stored[part] for part in parts})
+    file = file.with_arrays(stored)
     have = flatten(stored)
     for name, leaf in have.items():
         if name in want and hasattr(want[name], "shape") and not isinstance(leaf, np.ndarray):
@@ -235,13 +233,10 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
 
     def restored(part: str) -> Any:
         try:
-            return serialization.from_state_dict(getattr(template, part), getattr(file, part))
+            return serialization.from_state_dict(wanted[part], stored[part] or {})
         except (ValueError, TypeError, KeyError) as error:
             raise CheckpointMismatchError(
                 f"{path} does not fit this model's {part}: {error}."
             ) from error
 
-    arrays: dict[str, Any] = {
-        name: restored(name) if name in parts else None for name in Saved.ARRAYS
-    }
-    return dataclasses.replace(file, **arrays)
+    return file.with_arrays({name: restored(name) for name in parts})

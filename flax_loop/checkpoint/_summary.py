@@ -8,7 +8,6 @@ import optax
 
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
 from flax_loop.parallel import to_host
-from flax_loop.throughput import goodput
 
 
 def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
@@ -56,6 +55,16 @@ def train_statistics(checkpoint: Checkpoint) -> dict[str, float]:
         **{name: float(value) for name, value in getattr(checkpoint, "throughput", {}).items()},
         **_goodput(checkpoint),
     }
+
+
+def goodput(breakdown: dict[str, Any]) -> float:
+    r"""The fraction of the wall time the devices' steps took (`device / wall`).
+
+    >>> goodput({"device": 3.0, "wall": 4.0})
+    0.75
+    """
+    wall = float(breakdown.get("wall", 0.0))
+    return float(breakdown.get("device", 0.0)) / wall if wall > 0 else float("nan")
 
 
 def _goodput(checkpoint: Checkpoint) -> dict[str, float]:

@@ -233,11 +233,15 @@ def to_file(checkpoint: Checkpoint, save_frozen: bool = True) -> CheckpointFile:
     file = CheckpointFile.from_saved(checkpoint, metrics=metrics)
     if save_frozen or checkpoint.frozen is None:
         return file
-    params, left_out = leave_out(file.model_params, checkpoint.frozen)
-    ema = file.ema_params
-    if ema is not None:  # a frozen parameter's average is the parameter
-        ema, _ = leave_out(ema, checkpoint.frozen)
-    return dataclasses.replace(file, model_params=params, ema_params=ema, left_out=left_out)
+    arrays = file.arrays()
+    fields = ("model_params",) + tuple(
+        name for name in checkpoint.mirrors_params if arrays.get(name) is not None
+    )
+    cut = {name: leave_out(arrays[name], checkpoint.frozen) for name in fields}
+    left_out = dataclasses.replace(cut["model_params"][1], fields=fields)
+    return dataclasses.replace(
+        file.with_arrays({name: kept for name, (kept, _) in cut.items()}), left_out=left_out
+    )
 
 
 def _to_host_memory(file: CheckpointFile) -> CheckpointFile:

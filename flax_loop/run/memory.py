@@ -25,19 +25,22 @@ import numpy as np
 from flax_loop.errors import ConfigError
 from flax_loop.log import format_bytes
 
-PARTS = (
-    "params",
-    "model_state",
-    "optimizer_state",
-    "ema",
-    "batch",
-    "temporaries",
-    "checkpoint",
-)
-r"""The parts of a device's memory the plan counts; `total` is their sum."""
+STATE_PARTS = ("params", "model_state", "optimizer_state")
+r"""The parts the state's fields every step carries count under; a field a
+step declares counts under its own name (`ema_params`)."""
+
+RUN_PARTS = ("batch", "temporaries", "checkpoint")
+r"""The parts of a device's memory besides the state's fields; `total` is
+the sum of every part."""
 
 _NAMES = {"optimizer_state": "optimizer state", "model_state": "model state"}
 _NAMES["checkpoint"] = "checkpoint copy"
+
+
+def _part(field: str) -> str:
+    r"""The part a carried field counts under: `model_params` as `params`,
+    a field of the step's own under its name."""
+    return "params" if field == "model_params" else field
 
 
 def _shard_bytes(leaf: Any) -> tuple[int, Iterable[Any]]:
@@ -80,13 +83,15 @@ def temporaries(programs: Iterable[Any]) -> int:
 
 
 def plan(state: Any, batch: Any, programs: Iterable[Any], devices: Sequence[Any]) -> dict[str, Any]:
-    r"""The plan: one dict of bytes (`PARTS` and `total`) when every device
-    holds the same, else a dict of them by device.
+    r"""The plan: one dict of bytes (a part each and `total`) when every
+    device holds the same, else a dict of them by device.
 
     Args:
-        state: the training state's arrays (or `jax.ShapeDtypeStruct` with
-            their shardings): `model_params`, `model_state`,
-            `optimizer_state`, `ema_params`.
+        state: the step's carried fields by name, arrays (or
+            `jax.ShapeDtypeStruct` with their shardings): `model_params`,
+            `model_state`, `optimizer_state` (parts `params`, `model_state`,
+            `optimizer_state`), and any the step declares (a part of its
+            name each, `ema_params`). An absent field (`None`) counts 0.
         batch: one dispatch's batch, laid out as the step takes it.
         programs: the compiled step programs.
         devices: the devices training runs on.
@@ -94,21 +99,17 @@ def plan(state: Any, batch: Any, programs: Iterable[Any], devices: Sequence[Any]
     A checkpoint's copy of the saved state is laid out as the state is, so
     it counts the state's bytes again (one checkpoint held at a time).
     """
-    parts = {
-        "params": per_device_bytes(state["model_params"], devices),
-        "model_state": per_device_bytes(state["model_state"], devices),
-        "optimizer_state": per_device_bytes(state["optimizer_state"], devices),
-        "ema": per_device_bytes(state["ema_params"], devices),
-        "batch": per_device_bytes(batch, devices),
-        "temporaries": [temporaries(programs)] * len(devices),
-    }
+    held = {_part(name): per_device_bytes(tree, devices) for name, tree in state.items()}
+    ordered = [*STATE_PARTS, *sorted(set(held) - set(STATE_PARTS))]
+    parts = {part: held.get(part, [0] * len(devices)) for part in ordered}
+    parts["batch"] = per_device_bytes(batch, devices)
+    parts["temporaries"] = [temporaries(programs)] * len(devices)
     parts["checkpoint"] = [
-        sum(parts[part][index] for part in ("params", "model_state", "optimizer_state", "ema"))
-        for index in range(len(devices))
+        sum(parts[part][index] for part in ordered) for index in range(len(devices))
     ]
     by_device = []
     for index in range(len(devices)):
-        figures = {part: parts[part][index] for part in PARTS}
+        figures = {part: values[index] for part, values in parts.items()}
         figures["total"] = sum(figures.values())
         by_device.append(figures)
     if all(figures == by_device[0] for figures in by_device):
@@ -116,14 +117,11 @@ def plan(state: Any, batch: Any, programs: Iterable[Any], devices: Sequence[Any]
     return {str(device): figures for device, figures in zip(devices, by_device)}
 
 
-def plan_of(
-    steps: Any, feed: Any, steps_per_dispatch: int, placement: Any, fields: Sequence[str]
-) -> dict[str, Any]:
+def plan_of(steps: Any, feed: Any, steps_per_dispatch: int, placement: Any) -> dict[str, Any]:
     r"""The `plan` of a set-up run: its `CompiledSteps`, `BatchFeed` and
-    `Placement`; `fields`, the saved state's array fields."""
-    shapes = steps.state_shapes
+    `Placement`."""
     return plan(
-        {name: getattr(shapes, name) for name in fields},
+        steps.state_shapes.fields,
         dispatch_batch(feed.sample, steps_per_dispatch, placement),
         steps.programs.values(),
         placement.devices,
@@ -186,9 +184,9 @@ def check_fits(memory_plan: dict[str, Any], devices: Sequence[Any], fsdp: bool) 
 def format_plan(figures: dict[str, Any]) -> str:
     r"""One device's plan in a line (parts of 0 bytes left out)."""
     shown = ", ".join(
-        f"{_NAMES.get(part, part)} {format_bytes(figures[part])}"
-        for part in PARTS
-        if figures.get(part)
+        f"{_NAMES.get(part, part.replace('_', ' '))} {format_bytes(value)}"
+        for part, value in figures.items()
+        if part != "total" and value
     )
     return f"{format_bytes(figures['total'])} a device: {shown}"
 

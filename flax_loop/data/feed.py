@@ -25,8 +25,8 @@ last of them closing it.
 step, how many steps it holds, the variant that runs it and whether it ends
 the interval. It reads one batch ahead, except at an interval's planned
 end, so that a checkpoint's data state is that after its last trained
-batch. Its batches come from `CheckedBatches` (`flax_loop.source`: read,
-normalized, checked) through `ReadAhead` (`flax_loop.readahead`: inline, or
+batch. Its batches come from `CheckedBatches` (`flax_loop.data.source`: read,
+normalized, checked) through `ReadAhead` (`flax_loop.data.readahead`: inline, or
 on a thread for a slow source).
 
 >>> import numpy as np
@@ -46,11 +46,11 @@ from typing import Any
 import jax
 
 from flax_loop import distributed
-from flax_loop.batch import Batch, BatchSpec, normalize_batch, stack
+from flax_loop.data.batch import Batch, BatchSpec, normalize_batch, stack
+from flax_loop.data.readahead import GAVE_UP, ReadAhead
+from flax_loop.data.source import CheckedBatches
 from flax_loop.log import log
 from flax_loop.parallel import Placement
-from flax_loop.readahead import GAVE_UP, ReadAhead
-from flax_loop.source import CheckedBatches
 
 ONE = "one"
 r"""One step."""

@@ -38,6 +38,7 @@ by queued steps while the thread waits for a slow batch shows that wait as
 >>> times = TimeBreakdown(setup=2.0, compile=1.5, handed_out=10.0)
 >>> times.close(started=10.5, ended=14.0, data=0.25, device=3.25, compiled=0.25)
 {'compile': 0.25, 'data': 0.25, 'device': 3.0, 'caller': 0.5, 'wall': 4.0}
+>>> from flax_loop.checkpoint import goodput
 >>> times.totals()["wall"], goodput(times.totals())
 (6.0, 0.5)
 """
@@ -252,12 +253,6 @@ class TimeBreakdown:
         r"""The run's seconds so far: `setup` (without its compiling), the
         `PARTS` and `wall`."""
         return dict(self._totals)
-
-
-def goodput(breakdown: dict[str, Any]) -> float:
-    r"""The fraction of the wall time the devices' steps took (`device / wall`)."""
-    wall = float(breakdown.get("wall", 0.0))
-    return float(breakdown.get("device", 0.0)) / wall if wall > 0 else float("nan")
 
 
 def done_line(step: int, totals: dict[str, Any]) -> str:

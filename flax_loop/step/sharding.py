@@ -32,7 +32,7 @@ P()
 True
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -42,7 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.errors import ConfigError
 from flax_loop.parallel import DATA_AXIS, Placement, key_names
-from flax_loop.state import TrainState
+from flax_loop.step.core import Field
+from flax_loop.step.state import TrainState
 
 ShardingRule = Callable[[tuple[str, ...], Any], PartitionSpec]
 r"""`rule(path, leaf) -> PartitionSpec`: the layout of one parameter."""
@@ -244,8 +245,12 @@ def state_shardings(
     optimizer: Any,
     fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
     annotations: Any = None,
+    declared: Mapping[str, Field] | None = None,
 ) -> TrainState:
     r"""A `NamedSharding` for every leaf of the state (a `TrainState` of them).
+
+    The fields a step `declared` (`flax_loop.step.Step.fields`) that mirror
+    the parameters are laid out as the parameters; the others are replicated.
 
     The parameters get their specs. With `"fsdp"` every optimizer-state leaf
     gets the FSDP layout of its own shape (a moment is laid out as its
@@ -256,6 +261,7 @@ def state_shardings(
     (the model's other collections, counters, step counts) is replicated.
     """
     mesh, replicated = placement.mesh, placement.replicated
+    declared = declared or {}
 
     def named(specs: Any) -> Any:
         return jax.tree.map(
@@ -282,9 +288,14 @@ def state_shardings(
             optimizer, state.optimizer_state, state.model_params, params, replicated
         )
     everything_else = jax.tree.map(lambda _: replicated, state)
-    ema_params = None if state.ema_params is None else params  # laid out as the parameters
+    mirrors = {name: params for name, field in declared.items() if field.mirrors_params}
     return everything_else._replace(
-        model_params=params, optimizer_state=optimizer_state, ema_params=ema_params
+        fields={
+            **everything_else.fields,
+            "model_params": params,
+            "optimizer_state": optimizer_state,
+            **mirrors,
+        }
     )
 
 

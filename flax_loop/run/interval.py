@@ -16,11 +16,11 @@ import numpy as np
 import optax
 
 from flax_loop.checkpoint import Checkpoint, SavedState
-from flax_loop.compiled import CompiledSteps
+from flax_loop.data.feed import BatchFeed
 from flax_loop.errors import NonFiniteError
-from flax_loop.feed import BatchFeed
 from flax_loop.parallel import Placement, to_host
-from flax_loop.state import IntervalResult, IntervalStatistics, TrainState
+from flax_loop.step.compiled import CompiledSteps
+from flax_loop.step.state import IntervalResult, IntervalStatistics, TrainState
 
 CHUNK = 64
 r"""Dispatches' losses stacked on the devices per host transfer."""
@@ -106,6 +106,9 @@ class Intervals:
         rnkey: the run's key, stored with each checkpoint.
         raise_nonfinite: whether a non-finite loss or gradient raises.
         step: the step the first interval starts after.
+        frozen: which parameters no optimizer trains (`Checkpoint.frozen`).
+        mirrors_params: the carried fields that mirror the parameters
+            (`Checkpoint.mirrors_params`).
     """
 
     def __init__(
@@ -117,9 +120,11 @@ class Intervals:
         raise_nonfinite: bool,
         step: int,
         frozen: Any = None,
+        mirrors_params: tuple[str, ...] = (),
     ) -> None:
         self._steps, self._placement, self._feed = steps, placement, feed
         self._frozen = frozen  # `Checkpoint.frozen`
+        self._mirrors = mirrors_params  # `Checkpoint.mirrors_params`
         self._rnkey, self._raise_nonfinite = rnkey, raise_nonfinite
         self.start = step
         r"""the step the current interval started after."""
@@ -197,8 +202,8 @@ class Intervals:
         elapsed = time.perf_counter() - started  # after _finish's wait for the devices
         self.start = step
         saved = SavedState(
-            **arrays, step=step, rnkey=self._rnkey, data_state=self._feed.state(step)
-        )
+            None, None, None, step=step, rnkey=self._rnkey, data_state=self._feed.state(step)
+        ).with_arrays(arrays)
         self._last = Checkpoint.from_saved(
             saved,
             grads=grads,
@@ -211,6 +216,7 @@ class Intervals:
             losses=history,
             preempted=preempted,
             frozen=self._frozen,
+            mirrors_params=self._mirrors,
         )
         return state, self._last
 

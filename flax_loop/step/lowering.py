@@ -5,23 +5,25 @@ The per-device update (`flax_loop.step`) becomes a program: one step, a
 also returns its gradients and the interval's statistics. It runs under a
 plain `jax.jit` on one device, `jax.shard_map` over a replicated state, or
 GSPMD (`jit` with the state's shardings) over a sharded one; the state is
-donated, and a replicated one travels packed (`flax_loop.packing`).
+donated, and a replicated one travels packed (`flax_loop.step.packing`).
 
 >>> import jax, optax
 >>> import numpy as np
 >>> import flax.linen as nn
->>> from flax_loop.lowering import lower_update
+>>> from flax_loop.step.lowering import lower_update
 >>> from flax_loop.parallel import Placement
->>> from flax_loop.state import TrainState
->>> from flax_loop.step import build_update
+>>> from flax_loop.step.state import TrainState
+>>> from flax_loop.step.build import build_update
 >>> def loss(logits, labels):
 ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 >>> model = nn.Dense(3)
 >>> x, y = np.ones((8, 4), np.float32), np.zeros(8, np.int32)
 >>> params = model.init(jax.random.key(0), x)["params"]
->>> update = build_update(model.apply, loss, optax.sgd(0.1), rng_labels=[],
-...                       mutable_collections=False, axis_name=None)
->>> state = TrainState.create(params, {}, optax.sgd(0.1).init(params), step=0)
+>>> update, step = build_update(model.apply, loss, optax.sgd(0.1), rng_labels=[],
+...                             mutable_collections=False, axis_name=None)
+>>> fields = {"model_params": params, "model_state": {},
+...           "optimizer_state": optax.sgd(0.1).init(params)}
+>>> state = TrainState.create(fields, step=0)
 >>> one_device = Placement(jax.devices()[:1])
 >>> lowered = lower_update(update, one_device, state, ((x,), (y,)), jax.random.key(0))
 >>> state, loss = lowered.compile()(state, ((x,), (y,)), jax.random.key(0))
@@ -36,11 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from flax_loop.batch import Batch
-from flax_loop.packing import LayoutChanged, Packing, on_packed
+from flax_loop.data.batch import Batch
 from flax_loop.parallel import Placement
-from flax_loop.state import TrainState, close_interval
-from flax_loop.step import Update
+from flax_loop.step.packing import LayoutChanged, Packing, on_packed
+from flax_loop.step.state import TrainState, close_interval
+from flax_loop.step.statistics import Update
 
 UPDATE_MODES = ("jit", "shard_map", "gspmd")
 
@@ -63,7 +65,7 @@ def lower_update(
     to compile (tracing errors of the model or the loss are raised here).
 
     Args:
-        update: the per-device update from `build_update`.
+        update: the per-device update (`flax_loop.step.statistics.counted`).
         placement: the devices to run on.
         state: the state (used for its shapes and layout).
         batch: a batch (used for its shapes and layout); with `n_steps > 1`,

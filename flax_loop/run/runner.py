@@ -7,7 +7,7 @@ takes; the program that runs it is the one the plan names. What the step
 that ended the interval returned goes to `Intervals.close`, which builds the
 checkpoint; throughput and the time breakdown are added to it here.
 
-Set-up (`flax_loop.assemble`) builds the runner; nothing below calls back
+Set-up (`flax_loop.run.assemble`) builds the runner; nothing below calls back
 into the loop.
 """
 
@@ -20,18 +20,19 @@ from typing import Any
 
 import jax
 
-from flax_loop import distributed, memory
-from flax_loop.checkpoint import Checkpoint, Saved
-from flax_loop.compiled import CompiledSteps
+from flax_loop import distributed
+from flax_loop.checkpoint import Checkpoint
+from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.errors import DataExhaustedError, StateLostError
-from flax_loop.feed import BatchFeed, DispatchPlan
-from flax_loop.interval import Intervals
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
-from flax_loop.preemption import PreemptionGuard, quiet_interrupt
-from flax_loop.profiling import ProfileSteps
-from flax_loop.progress import ProgressReport
-from flax_loop.throughput import Throughput, TimeBreakdown, done_line
+from flax_loop.run import memory
+from flax_loop.run.interval import Intervals
+from flax_loop.run.preemption import PreemptionGuard, quiet_interrupt
+from flax_loop.run.profiling import ProfileSteps
+from flax_loop.run.progress import ProgressReport
+from flax_loop.run.throughput import Throughput, TimeBreakdown, done_line
+from flax_loop.step.compiled import CompiledSteps
 
 INTERRUPTED = (
     "interrupted at step {step:,}: the steps since the last checkpoint written are in "
@@ -110,9 +111,9 @@ class Runner:
         self.steps.follow(self.plan)
 
     def memory_plan(self) -> dict[str, Any]:
-        r"""The bytes each device holds while training (`flax_loop.memory.plan`)."""
-        per_dispatch, fields = self.plan.steps_per_dispatch, Saved.ARRAYS
-        return memory.plan_of(self.steps, self.feed, per_dispatch, self.placement, fields)
+        r"""The bytes each device holds while training (`flax_loop.run.memory.plan`)."""
+        per_dispatch = self.plan.steps_per_dispatch
+        return memory.plan_of(self.steps, self.feed, per_dispatch, self.placement)
 
     @contextlib.contextmanager
     def training(self, last_step: int) -> Iterator[None]:

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from flax_loop import distributed
-from flax_loop.batch import Batch, BatchSpec, normalize_batch
+from flax_loop.data.batch import Batch, BatchSpec, normalize_batch
 from flax_loop.errors import BatchError, ConfigError, DataExhaustedError
 from flax_loop.log import log
 from flax_loop.parallel import Placement

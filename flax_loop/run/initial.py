@@ -12,7 +12,6 @@ r"""The state training starts from: a model's `init`, or a checkpoint file.
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,16 +26,19 @@ from flax_loop.checkpoint import (
     CheckpointFileReader,
     OrbaxCheckpointReader,
     Saved,
+    put_back,
+    taken_from,
 )
-from flax_loop.checkpoint._frozen import put_back, taken_from
 from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
-from flax_loop.modules import NNXModel
-from flax_loop.objective import SOWN, Objective
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
-from flax_loop.sharding import linen_annotations
-from flax_loop.state import TrainState
+from flax_loop.step.compiled import run_once
+from flax_loop.step.core import CORE, Fields, Step
+from flax_loop.step.modules import NNXModel
+from flax_loop.step.objective import SOWN, Objective
+from flax_loop.step.sharding import linen_annotations
+from flax_loop.step.state import TrainState
 
 InitFn = Callable[..., Any]
 r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""
@@ -44,8 +46,8 @@ r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""
 Reader = CheckpointFileReader | OrbaxCheckpointReader
 r"""Where a resumed loop reads its state from."""
 
-Layout = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
-r"""`layout(params, model_state, optimizer_state) -> their shardings`."""
+Layout = Callable[[Fields], Fields]
+r"""`layout(fields) -> their shardings`: the carried fields' (`flax_loop.step.core`)."""
 
 
 def run_key(start: CheckpointFile, given: jax.Array, stdout: bool) -> jax.Array:
@@ -65,7 +67,7 @@ def run_key(start: CheckpointFile, given: jax.Array, stdout: bool) -> jax.Array:
 def placed(
     start: Saved,
     step: int,
-    ema: bool,
+    fields: Fields,
     placement: Placement,
     shardings_of: Callable[[TrainState], TrainState] | None = None,
 ) -> tuple[TrainState, TrainState | None]:
@@ -74,8 +76,8 @@ def placed(
     Args:
         start: the saved state to start from.
         step: the step the processes agreed to start from.
-        ema: whether the state keeps a moving average of the parameters
-            (one starts at the parameters when the start holds none).
+        fields: every field the step carries, as `start` has them
+            (`start_fields`).
         placement: the devices.
         shardings_of: the state's layout, given the state; `None`
             replicates it over the devices.
@@ -83,16 +85,20 @@ def placed(
     Returns:
         the state, and its shardings (`None` when replicated).
     """
-    ema_params = None
-    if ema:
-        ema_params = start.ema_params
-        if ema_params is None:  # a fresh average starts at the parameters
-            ema_params = jax.tree.map(lambda leaf: leaf.copy(), start.model_params)
-    created = TrainState.of(dataclasses.replace(start, ema_params=ema_params), step)
+    created = TrainState.create(fields, step)
     if shardings_of is None:
         return placement.replicate(created), None
     shardings = shardings_of(created)
     return placement.place(created, shardings), shardings
+
+
+def start_fields(start: Saved, step: Step) -> Fields:
+    r"""Every field `step` carries, from the saved state to start from: its
+    own, and those it declares but `start` lacks (a moving average a resumed
+    run starts keeping) from the step's `init`."""
+    fields = step.init({name: getattr(start, name) for name in CORE})
+    held = {name: tree for name, tree in start.carried.items() if tree is not None}
+    return {name: held.get(name, tree) for name, tree in fields.items()}
 
 
 def initial_state(
@@ -104,16 +110,16 @@ def initial_state(
     mutable_collections: CollectionFilter,
     reader: Reader | None = None,
     layout: Layout | None = None,
-    ema: bool = False,
+    step: Step | None = None,
 ) -> CheckpointFile:
     r"""The newest file of `reader`'s directory, or a fresh initialization at
     step 0 (a `CheckpointFile` whose `path` is `None`).
 
     Resuming never runs the model's `init`: the file is restored into the
     shapes and dtypes `init` would give (`jax.eval_shape`). With a `layout`
-    (the shardings of parameters, model state and optimizer state, given
-    their shapes), a fresh state is created in it and a reader that can
-    restores into it directly.
+    (the shardings of the step's fields, given their shapes), a fresh state
+    is created in it and a reader that can restores into it directly. The
+    fields `step` declares are restored when the file holds them.
 
     Raises:
         InitError: if `init` fails or returns no `params`.
@@ -126,25 +132,28 @@ def initial_state(
         params, model_state = _initialize(init, key, inputs, init_labels, mutable_collections)
         return params, model_state, _init_optimizer(optimizer, params)
 
-    template = _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels)
-    shardings = None if layout is None else layout(*template)
+    core = _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels)
+    shapes = dict(zip(CORE, core))
+    if step is not None:
+        shapes = jax.eval_shape(step.init, shapes)
+    shardings = None if layout is None else layout(shapes)
     if shardings is not None:
-        template = jax.tree.map(
+        shapes = jax.tree.map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            template,
+            shapes,
             shardings,
         )
     # In one process the state is created in its layout (never whole on one
     # device); several processes create it on their own and place it later.
-    place = shardings if shardings is not None and jax.process_count() == 1 else None
+    place = None
+    if shardings is not None and jax.process_count() == 1:
+        place = tuple(shardings[name] for name in CORE)
     if reader is not None:
         restored = reader.restore(
             CheckpointFile(
-                model_params=template[0],
-                model_state=template[1],
-                optimizer_state=template[2],
+                **{name: shapes[name] for name in CORE},
                 step=0,
-                ema_params=template[0] if ema else None,
+                carried={name: tree for name, tree in shapes.items() if name not in CORE},
             )
         )
         if restored is not None and restored.left_out is not None:
@@ -174,35 +183,16 @@ def _put_back_frozen(restored: CheckpointFile, initialize: Callable[[], Any]) ->
     initialization (checked against the file's digest of them)."""
     assert restored.left_out is not None
     values = taken_from(restored.left_out, initialize(), restored.path or "The checkpoint")
-    arrays = {"model_params": put_back(restored.model_params, values)}
-    if restored.ema_params is not None:  # a frozen parameter's average is the parameter
-        arrays["ema_params"] = put_back(restored.ema_params, values)
-    return dataclasses.replace(restored, **arrays)
-
-
-_LEVEL = "xla_backend_optimization_level"
-
-
-def run_once(fn: Callable[..., Any], out_shardings: Any, *args: Any) -> Any:
-    r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
-    once (an initialization), compiled with `run_once_options()`."""
-    lowered = jax.jit(fn, out_shardings=out_shardings).lower(*args)
-    return lowered.compile(compiler_options=run_once_options())(*args)
-
-
-def run_once_options() -> dict[str, Any] | None:
-    r"""XLA options for a program run once.
-
-    XLA's CPU backend spends most of an initialization's compilation
-    optimizing code that runs once (the initializers' threefry hashes, at
-    LLVM's highest level by default): at level 2 a 3-conv CNN's init
-    compiles in 0.9 s instead of 3.6 s, runs as fast, and gives the same
-    values bit for bit (tests/test_startup.py). A level set in `XLA_FLAGS`
-    is kept; other backends compile with their defaults.
-    """
-    if jax.default_backend() != "cpu" or _LEVEL in os.environ.get("XLA_FLAGS", ""):
-        return None
-    return {_LEVEL: 2}
+    arrays = restored.arrays()
+    # the parameters, and the fields that mirror them (a frozen parameter's
+    # average is the parameter)
+    return restored.with_arrays(
+        {
+            name: put_back(arrays[name], values)
+            for name in restored.left_out.fields
+            if arrays.get(name) is not None
+        }
+    )
 
 
 def _guarded(

@@ -10,7 +10,7 @@ devices; the compiled step; the interval closer. The result is a `Runner`.
 >>> import numpy as np
 >>> import flax.linen as nn
 >>> from flax_loop import TrainTask
->>> from flax_loop.assemble import Options, assemble
+>>> from flax_loop.run.assemble import Options, assemble
 >>> def loss(logits, labels):
 ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 >>> model = nn.Dense(3)
@@ -38,12 +38,14 @@ from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
 from flax_loop import distributed
-from flax_loop.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.checkpoint import CheckpointFileReader, OrbaxCheckpointReader
-from flax_loop.compiled import CompiledSteps
+from flax_loop.data.batch import Batch, BatchTree, normalize_batch, normalize_group
+from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.errors import ConfigError, FlaxLoopError, check_count
-from flax_loop.feed import BatchFeed, DispatchPlan
-from flax_loop.initial import (
+from flax_loop.log import console, is_main_process, log
+from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.random import as_typed_key, labels_of, train_key
+from flax_loop.run.initial import (
     InitFn,
     Reader,
     initial_state,
@@ -51,19 +53,27 @@ from flax_loop.initial import (
     placed,
     run_key,
     run_once,
+    start_fields,
 )
-from flax_loop.interval import Intervals
-from flax_loop.log import console, is_main_process, log
-from flax_loop.memory import check_fits, describe_model, format_plan, fullest
-from flax_loop.modules import DEFAULT_STREAM, as_init, is_nnx
-from flax_loop.objective import Objective, StepInputs
-from flax_loop.parallel import DATA_AXIS, Placement
-from flax_loop.preemption import DEFAULT_SIGNALS, PreemptionGuard
-from flax_loop.profiling import ProfileSteps
-from flax_loop.progress import ProgressReport
-from flax_loop.random import as_typed_key, labels_of, train_key
-from flax_loop.runner import Runner
-from flax_loop.sharding import (
+from flax_loop.run.interval import Intervals
+from flax_loop.run.memory import check_fits, describe_model, format_plan, fullest
+from flax_loop.run.preemption import DEFAULT_SIGNALS, PreemptionGuard
+from flax_loop.run.profiling import ProfileSteps
+from flax_loop.run.progress import ProgressReport
+from flax_loop.run.runner import Runner
+from flax_loop.run.throughput import (
+    Throughput,
+    TimeBreakdown,
+    TokenCount,
+    device_peak,
+    tokens_per_batch,
+)
+from flax_loop.step.build import task_step
+from flax_loop.step.compiled import CompiledSteps
+from flax_loop.step.modules import DEFAULT_STREAM, as_init, is_nnx
+from flax_loop.step.nonfinite import MODES as NONFINITE_MODES
+from flax_loop.step.objective import Objective, StepInputs
+from flax_loop.step.sharding import (
     DEFAULT_FSDP_MIN_BYTES,
     Sharding,
     check_sharding,
@@ -71,16 +81,9 @@ from flax_loop.sharding import (
     is_replicated,
     state_shardings,
 )
-from flax_loop.state import TrainState
-from flax_loop.step import NONFINITE_MODES, build_step
+from flax_loop.step.state import TrainState
+from flax_loop.step.statistics import counted
 from flax_loop.task import TrainTask, check_train_task
-from flax_loop.throughput import (
-    Throughput,
-    TimeBreakdown,
-    TokenCount,
-    device_peak,
-    tokens_per_batch,
-)
 
 DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
 r"""every collection but `intermediates` may change while training."""
@@ -207,18 +210,41 @@ def assemble(
         annotations = parameter_annotations(init_fn, key, inputs, init_labels, mutable_collections)
     sharding = chosen_sharding(options.sharding, annotations)
 
+    sharded = not is_replicated(sharding)
+    step_value = task_step(
+        objective,
+        placement.batch_axis if placement.n_devices > 1 or sharded else None,
+        skip=options.nonfinite == "skip",
+        shards=placement.batch_sharding if sharded else None,
+        ema_decay=options.ema_decay,
+        frozen=lambda params: objective.trained(params).frozen_mask(),
+        transforms=getattr(task, "transforms", ()),
+    )
+
     def shardings_of(state: TrainState) -> TrainState:
         return state_shardings(
-            sharding, placement, state, objective, options.fsdp_min_bytes, annotations
+            sharding,
+            placement,
+            state,
+            objective,
+            options.fsdp_min_bytes,
+            annotations,
+            step_value.fields,
         )
 
-    def layout(params: Any, model_state: Any, optimizer_state: Any) -> Any:
-        laid = shardings_of(TrainState.create(params, model_state, optimizer_state, 0))
-        return laid.model_params, laid.model_state, laid.optimizer_state
+    def layout(fields: Any) -> Any:
+        return shardings_of(TrainState.create(fields, 0)).fields
 
-    ema = options.ema_decay is not None
     start = initial_state(
-        init_fn, objective, key, inputs, init_labels, mutable_collections, reader, layout, ema=ema
+        init_fn,
+        objective,
+        key,
+        inputs,
+        init_labels,
+        mutable_collections,
+        reader,
+        layout,
+        step_value,
     )
     if start.path is not None:
         key = run_key(start, key, stdout)
@@ -230,15 +256,13 @@ def assemble(
     if frozen is not None:  # beside the key: replicated, never donated
         step_key = StepInputs(step_key, placement.replicate(frozen))
     state, shardings = placed(
-        start, step, ema, placement, None if is_replicated(sharding) else shardings_of
+        start,
+        step,
+        start_fields(start, step_value),
+        placement,
+        shardings_of if sharded else None,
     )
-    update = build_step(
-        objective,
-        placement.batch_axis if placement.n_devices > 1 or shardings is not None else None,
-        skip_nonfinite=options.nonfinite == "skip",
-        shards=None if shardings is None else placement.batch_sharding,
-        ema_decay=options.ema_decay,
-    )
+    update = counted(step_value)
     try:
         steps = CompiledSteps(
             update, placement, state, feed.sample_batch, step_key, plan, shardings,
@@ -262,6 +286,9 @@ def assemble(
         options.nonfinite == "raise",
         step,
         frozen=trained_part.frozen_mask(),
+        mirrors_params=tuple(
+            name for name, field in step_value.fields.items() if field.mirrors_params
+        ),
     )
     if options.profile is not None:
         options.profile.stdout = stdout

@@ -1,6 +1,6 @@
 r"""The feed's second stage: how checked batches are read, inline or on a thread.
 
-A slow source is read by a background thread (`flax_loop.prefetch`), a few
+A slow source is read by a background thread (`flax_loop.data.prefetch`), a few
 batches ahead, while the devices compute: from the start with `prefetch=N`,
 or, by default, once its first reads took `PREFETCH_AFTER_SECONDS` or more
 each (a source in memory stays inline, where a thread would only cost).
@@ -11,9 +11,9 @@ read. A source that fails on its first read from the thread is read inline
 from then on, if it reads there.
 
 >>> import numpy as np
->>> from flax_loop.source import CheckedBatches
+>>> from flax_loop.data.source import CheckedBatches
 >>> from flax_loop.parallel import Placement
->>> from flax_loop.readahead import ReadAhead
+>>> from flax_loop.data.readahead import ReadAhead
 >>> batches = CheckedBatches([(np.zeros((8, 3)), np.zeros(8))] * 3, Placement())
 >>> reading = ReadAhead(batches, prefetch=0, depth=3)
 >>> first, state_before = reading.first()
@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flax_loop.batch import Batch
+from flax_loop.data.batch import Batch
+from flax_loop.data.prefetch import ENDED, GAVE_UP, Failed, Prefetcher
+from flax_loop.data.source import CheckedBatches
 from flax_loop.errors import FlaxLoopError
 from flax_loop.log import log
-from flax_loop.prefetch import ENDED, GAVE_UP, Failed, Prefetcher
-from flax_loop.source import CheckedBatches
 
 PREFETCH_AFTER_SECONDS = 2e-4
 r"""With the default `prefetch=None`, a source whose first reads took this

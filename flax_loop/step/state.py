@@ -1,26 +1,28 @@
 r"""The training state the compiled step carries, and an interval's statistics.
 
->>> state = TrainState.create({"w": jnp.ones(3)}, {}, (), step=5)
+>>> state = TrainState.create({"model_params": {"w": jnp.ones(3)}}, step=5)
 >>> int(state.step), float(state.loss_sum)
 (5, 0.0)
 """
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from flax_loop.checkpoint import Saved
+from flax_loop.step.nonfinite import all_finite
 
 
 class TrainState(NamedTuple):
     r"""Everything the update carries from one step to the next.
 
-    It lives on the devices, replicated, and is donated to each step. A
-    NamedTuple, whose pytree handling is the fastest JAX has. The
+    It lives on the devices, replicated or laid out, and is donated to each
+    step. A NamedTuple, whose pytree handling is the fastest JAX has. The
     gradients are not part of it: carrying them from step to step forces XLA
-    to materialize them apart from the optimizer's update, which cost 30% of
-    a small MLP's step here; the last step of an interval returns them.
+    to materialize them apart from the optimizer's update, which slows a
+    small model's step (`flax_loop.step.lowering`'s closing step returns them).
     """
 
     counters: jax.Array
@@ -29,31 +31,36 @@ class TrainState(NamedTuple):
     and the first such step (0 if none). One array, not three: every leaf
     a step passes costs the host a fixed amount."""
 
-    model_params: Any
-    r"""the model's parameters."""
-
-    model_state: Any
-    r"""the model's other collections (e.g. `batch_stats`)."""
-
-    optimizer_state: Any
-    r"""the optimizer's state."""
+    fields: dict[str, Any]
+    r"""the step's carried fields by name (`flax_loop.step.core`): the
+    parameters, the model's other collections, the optimizer state, and
+    those the step declares. What a checkpoint saves."""
 
     loss_sum: jax.Array
     r"""the sum of the finite losses since the last checkpoint."""
 
     metric_sums: Any = None
-    r"""the sums of the loss function's extra metrics (`loss -> (loss,
-    {name: value})`) over the finite steps since the last checkpoint; `{}`
-    for a loss without them."""
+    r"""the sums of the step's training metrics over the finite steps since
+    the last checkpoint; `{}` for a step without them."""
 
-    ema_params: Any = None
-    r"""the exponential moving average of the parameters (`TrainLoop(ema_decay=...)`);
-    `None` without one."""
+    @property
+    def model_params(self) -> Any:
+        r"""the model's parameters."""
+        return self.fields["model_params"]
+
+    @property
+    def model_state(self) -> Any:
+        r"""the model's other collections (e.g. `batch_stats`)."""
+        return self.fields["model_state"]
+
+    @property
+    def optimizer_state(self) -> Any:
+        r"""the optimizer's state."""
+        return self.fields["optimizer_state"]
 
     def saved_arrays(self) -> dict[str, Any]:
-        r"""`{name: tree}` of the saved state's array fields (`Saved.ARRAYS`):
-        what a checkpoint copies."""
-        return {name: getattr(self, name) for name in Saved.ARRAYS}
+        r"""`{name: tree}` of the carried fields: what a checkpoint copies."""
+        return dict(self.fields)
 
     @property
     def step(self) -> jax.Array:
@@ -63,26 +70,16 @@ class TrainState(NamedTuple):
     @classmethod
     def of(cls, saved: Saved, step: int) -> "TrainState":
         r"""The state of a saved state's arrays (any form of it) at `step`."""
-        return cls.create(**saved.arrays(), step=step)
+        return cls.create(saved.arrays(), step=step)
 
     @classmethod
-    def create(
-        cls,
-        model_params: Any,
-        model_state: Any,
-        optimizer_state: Any,
-        step: int,
-        ema_params: Any = None,
-    ) -> "TrainState":
-        r"""A state at `step`, with empty interval sums."""
+    def create(cls, fields: Mapping[str, Any], step: int) -> "TrainState":
+        r"""A state of `fields` at `step`, with empty interval sums."""
         return cls(
             counters=jnp.asarray([step, 0, 0], jnp.int32),
-            model_params=model_params,
-            model_state=model_state,
-            optimizer_state=optimizer_state,
+            fields=dict(fields),
             loss_sum=jnp.zeros((), jnp.float32),
             metric_sums={},
-            ema_params=ema_params,
         )
 
 
@@ -129,7 +126,7 @@ def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalS
 
     >>> import jax.numpy as jnp
     >>> params = {"w": jnp.ones(3)}
-    >>> state = TrainState.create(params, {}, (), step=0)._replace(
+    >>> state = TrainState.create({"model_params": params}, step=0)._replace(
     ...     counters=jnp.array([1, 0, 0], jnp.int32), loss_sum=jnp.float32(0.5))
     >>> grads = {"w": jnp.zeros(3)}
     >>> state, statistics = close_interval(state, grads)
@@ -148,19 +145,3 @@ def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalS
         metric_sums=jax.tree.map(jnp.zeros_like, state.metric_sums),
     )
     return reset, statistics
-
-
-def all_finite(tree: Any) -> jax.Array:
-    r"""Whether every floating-point value of a pytree is finite.
-
-    >>> bool(all_finite({"w": jnp.ones(3), "count": jnp.zeros((), jnp.int32)}))
-    True
-    >>> bool(all_finite([jnp.array([1.0, jnp.nan])]))
-    False
-    """
-    leaves = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)

@@ -36,11 +36,11 @@ import jax
 import optax
 from flax.core.scope import CollectionFilter, in_filter, union_filters
 
-from flax_loop.batch import Batch, BatchTree
+from flax_loop.data.batch import Batch, BatchTree
 from flax_loop.errors import ConfigError
-from flax_loop.model import as_outputs, call_apply
-from flax_loop.modules import NNXModel, is_nnx
-from flax_loop.trainable import Partition, union
+from flax_loop.step.model import as_outputs, call_apply
+from flax_loop.step.modules import NNXModel, is_nnx
+from flax_loop.step.trainable import Partition, union
 
 SOWN = "intermediates"
 r"""The collection linen's `self.sow` writes to by default: never state."""

@@ -1,0 +1,179 @@
+r"""The task's step: its parts run in turn, each one optimizer's gradient update.
+
+Each device computes the loss and gradients of its share of the batch; the
+gradients, the loss and the floating-point leaves of the mutated collections
+are averaged with `pmean` over the data axis; then every device applies the
+same optimizer update to its replica. On one device the same code runs
+under a plain `jax.jit`, without collectives.
+
+>>> import jax, optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop.step.objective import Objective, Part, supervised_loss
+>>> from flax_loop.step.core import Context
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> model = nn.Dense(3)
+>>> x, y = np.ones((8, 4), np.float32), np.zeros(8, np.int32)
+>>> params = model.init(jax.random.key(0), x)["params"]
+>>> objective = Objective([Part(None, supervised_loss(cross_entropy), optax.sgd(0.1), None)],
+...                       model.apply, [], False, supervised=True)
+>>> step = parts_step(objective, axis_name=None)
+>>> fields = step.init({"model_params": params, "model_state": {},
+...                     "optimizer_state": optax.sgd(0.1).init(params)})
+>>> fields, outcome = step.update(fields, ((x,), (y,)), Context(jax.random.key(0), 0))
+>>> outcome.loss.shape, sorted(outcome.grads)
+((), ['bias', 'kernel'])
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from flax_loop.data.batch import Batch
+from flax_loop.random import loss_key, step_keys
+from flax_loop.step.core import Context, Fields, Outcome, Step
+from flax_loop.step.model import split_loss
+from flax_loop.step.objective import Objective
+
+
+def _pmean_floating(tree: Any, axis_name: str) -> Any:
+    r"""Averages floating-point leaves over the axis; integer counters stay."""
+
+    def average(leaf: jax.Array) -> jax.Array:
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return jax.lax.pmean(leaf, axis_name)
+        return leaf
+
+    return jax.tree.map(average, tree)
+
+
+def parts_step(
+    objective: Objective, axis_name: str | None, shards: NamedSharding | None = None
+) -> Step:
+    r"""The objective's step, as seen by one device (or, with `shards`, by all).
+
+    Each of the objective's parts, in order, computes its loss with the
+    model bound to the current variables, its gradient with respect to its
+    trainable parameters, and applies its optimizer; a later part sees what
+    an earlier one updated. The step's loss is the sum of the parts' losses;
+    with several parts each one's is also a metric, `<name>_loss`.
+
+    Args:
+        objective: the step's parts, model and frozen models.
+        axis_name: the mesh axis to average over; `None` on one device.
+        shards: for a sharded state, updated by one program over the whole
+            batch (`jax.jit` with shardings, no `shard_map`): the batch's
+            layout. The forward pass is mapped with `jax.vmap` over the
+            batch's shards along `axis_name`, so each shard has its own
+            keys, loss and BatchNorm statistics as a device has with a
+            replicated state, and the loss is their mean; its gradient is
+            then the averaged gradient, and XLA reduces it as the
+            parameters' layout needs (never one whole gradient per shard).
+
+    Returns:
+        the step, carrying `CORE` only; its `Outcome.grads` are the last
+        part's gradients, or with several parts a dict of each part's by name.
+    """
+    per_device_shapes = axis_name is not None
+    partitions: list[Any] = []
+
+    def per_device(
+        trainable: Any, params: Any, model_state: Any, batch: Batch, context: Context, index: int
+    ) -> tuple[jax.Array, Any]:
+        device_index = jax.lax.axis_index(axis_name) if axis_name else 0
+        number = context.step + 1  # keys (and the loss's `step`) count from 1
+        rngs = step_keys(context.key, number, device_index, objective.rng_labels)
+        rng = loss_key(context.key, number, device_index)
+        if index:  # a later part draws numbers of its own
+            rngs = {label: jax.random.fold_in(k, index) for label, k in rngs.items()}
+            rng = jax.random.fold_in(rng, index)
+        part, partition = objective.parts[index], partitions[index]
+        bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
+        result = objective.call_loss(part, bound, batch, rng, number, context.frozen)
+        loss_value, metrics = split_loss(result, per_device_shapes)
+        return loss_value, (bound.collected(), metrics)
+
+    def over_shards(
+        trainable: Any, params: Any, model_state: Any, batch: Batch, context: Context, index: int
+    ) -> tuple[jax.Array, Any]:
+        assert shards is not None and axis_name is not None
+        n_shards = shards.mesh.shape[axis_name]
+        split = jax.tree.map(
+            lambda leaf: leaf.reshape(n_shards, leaf.shape[0] // n_shards, *leaf.shape[1:]), batch
+        )
+        split = jax.lax.with_sharding_constraint(split, shards)
+        losses, (mutated, metrics) = jax.vmap(
+            lambda shard: per_device(trainable, params, model_state, shard, context, index),
+            axis_name=axis_name,
+        )(split)
+        # pmean semantics: floating leaves averaged over the shards, integer
+        # ones (counters) as shard 0 has them.
+        mutated = jax.tree.map(
+            lambda leaf: leaf.mean(0) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf[0],
+            mutated,
+        )
+        return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics))
+
+    gradient = jax.value_and_grad(
+        per_device if shards is None else over_shards, has_aux=True, argnums=0
+    )
+
+    def run_part(
+        index: int, fields: Fields, optimizer_state: Any, batch: Batch, context: Context
+    ) -> tuple[Any, ...]:
+        partition = partitions[index]
+        params, model_state = fields["model_params"], fields["model_state"]
+        trainable = partition.split(params)
+        (loss_value, (mutated, metrics)), grads = gradient(
+            trainable, params, model_state, batch, context, index
+        )
+        if axis_name and shards is None:
+            loss_value, grads, metrics = jax.lax.pmean((loss_value, grads, metrics), axis_name)
+            mutated = _pmean_floating(mutated, axis_name)
+        # The interval's last step also returns the gradients. Without the
+        # barrier XLA fuses the gradient into the optimizer's update in one
+        # variant and not in the other, and their results differed in the
+        # last bits, so a run depended on its checkpoint cadence.
+        # Materialized, the gradients are computed alike everywhere (measured
+        # free: benchmarks/README.md).
+        grads = jax.lax.optimization_barrier(grads)
+        updates, optimizer_state = objective.parts[index].optimizer.update(
+            grads, optimizer_state, trainable
+        )
+        params = partition.merge(params, optax.apply_updates(trainable, updates))
+        fields = {**fields, "model_params": params, "model_state": {**model_state, **mutated}}
+        return loss_value, metrics, grads, fields, optimizer_state
+
+    def update(fields: Fields, batch: Batch, context: Context) -> tuple[Fields, Outcome]:
+        if not partitions:
+            partitions.extend(objective.partitions(fields["model_params"]))
+        model_state = fields["model_state"]
+        optimizer_states = objective.of_parts(fields["optimizer_state"])
+        losses, all_grads, metrics = [], [], {}
+        for index, part in enumerate(objective.parts):
+            loss_value, part_metrics, grads, fields, optimizer_states[index] = run_part(
+                index, fields, optimizer_states[index], batch, context
+            )
+            losses.append(loss_value)
+            all_grads.append(grads)
+            if part.name is None:
+                metrics.update(part_metrics)
+            else:
+                metrics[f"{part.name}_loss"] = loss_value.astype(jnp.float32)
+                metrics.update({f"{part.name}_{name}": v for name, v in part_metrics.items()})
+        loss_value = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
+        mutated = fields["model_state"]
+        fields = {
+            **fields,
+            # a collection sown or made by the calls is not state
+            "model_state": {name: mutated[name] for name in mutated if name in model_state},
+            "optimizer_state": objective.by_part(optimizer_states),
+        }
+        grads = objective.by_part(all_grads)
+        return fields, Outcome(loss_value, metrics, grads, jnp.isfinite(loss_value))
+
+    return Step(dict, update)

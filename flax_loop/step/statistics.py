@@ -1,0 +1,113 @@
+r"""A step as the loop runs it: its fields in a `TrainState`, the interval counted.
+
+`counted(step)` is the update every compiled variant runs: the step's own
+update on the state's fields, the dtypes and shapes it must keep checked
+while tracing, and the interval's statistics (the step count, the
+non-finite steps and the first of them, the sums of the loss and the
+metrics) advanced on the devices.
+
+>>> import jax, jax.numpy as jnp
+>>> from flax_loop.step.state import TrainState
+>>> from flax_loop.step.core import Outcome, Step
+>>> def constant(fields, batch, context):
+...     return fields, Outcome(jnp.float32(0.5), {"accuracy": jnp.float32(1)}, {}, True)
+>>> update = counted(Step(dict, constant))
+>>> state = TrainState.create({"model_params": {"w": jnp.ones(2)}}, step=0)
+>>> state, (loss, grads) = update(state, None, jax.random.key(0))
+>>> state, (loss, grads) = update(state, None, jax.random.key(0))
+>>> state.counters.tolist(), float(state.loss_sum), float(state.metric_sums["accuracy"])
+([2, 0, 0], 1.0, 2.0)
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flax_loop.data.batch import Batch
+from flax_loop.errors import ApplyError
+from flax_loop.parallel import key_names
+from flax_loop.step.core import Context, Step
+from flax_loop.step.objective import StepInputs
+from flax_loop.step.state import TrainState
+
+Update = Callable[[TrainState, Batch, Any], tuple[TrainState, tuple[jax.Array, Any]]]
+r"""`update(state, batch, inputs) -> (state, (loss, grads))`: what the
+compiled variants run (`flax_loop.step.lowering`); `inputs` a `StepInputs`, or
+without frozen models the training key alone."""
+
+
+def check_kept(new: dict[str, Any], old: dict[str, Any]) -> None:
+    r"""Raises an `ApplyError` (while tracing) naming each carried value whose
+    structure, dtype or shape a step changed: the state keeps them from step
+    to step, in every layout (a packed state would otherwise cast it
+    silently)."""
+    if list(new) != list(old):
+        raise ApplyError(
+            f"A step returned the fields {sorted(new)} for the fields {sorted(old)}: "
+            "a step returns every field it was given, and no other."
+        )
+    for name in old:
+        if jax.tree.structure(new[name]) != jax.tree.structure(old[name]):  # type: ignore[operator]
+            raise ApplyError(
+                f"A step changed the structure of {name}: {jax.tree.structure(old[name])} "
+                f"became {jax.tree.structure(new[name])}. A field keeps its structure from "
+                "step to step."
+            )
+        changed = [
+            f"{'/'.join(key_names(path))}: {before.dtype}{list(before.shape)} -> "
+            f"{after.dtype}{list(after.shape)}"
+            for (path, before), after in zip(
+                jax.tree_util.tree_flatten_with_path(old[name])[0], jax.tree.leaves(new[name])
+            )
+            if before.dtype != after.dtype or before.shape != after.shape
+        ]
+        if changed:
+            raise ApplyError(
+                f"A step changed the dtype or shape of {name} ({'; '.join(changed[:5])}"
+                f"{'; ...' if len(changed) > 5 else ''}). A variable keeps its dtype and "
+                "shape from step to step: cast the new value in the model "
+                "(value.astype(old.dtype)), or create the variable with the dtype it takes."
+            )
+
+
+def counted(step: Step) -> Update:
+    r"""The update the loop compiles: `step` on the state's fields, and the
+    interval's counters and sums advanced.
+
+    A step counts as non-finite when its `Outcome.finite` is false; its loss
+    and metrics are then left out of the sums.
+
+    Returns:
+        `update(state, batch, inputs) -> (state, (loss, grads))`, one trace
+        that every compiled variant inlines.
+    """
+
+    def update(state: TrainState, batch: Batch, inputs: Any) -> tuple[TrainState, Any]:
+        key, frozen = inputs if isinstance(inputs, StepInputs) else (inputs, None)
+        done, n_bad, first_bad = state.counters[0], state.counters[1], state.counters[2]
+        fields, outcome = step.update(state.fields, batch, Context(key, done, frozen))
+        check_kept(fields, state.fields)
+        finite = jnp.asarray(outcome.finite)
+        number = done + 1
+        bad = (~finite).astype(jnp.int32)
+        counters = jnp.stack(
+            [number, n_bad + bad, jnp.where((first_bad == 0) & (bad == 1), number, first_bad)]
+        )
+        new_state = TrainState(
+            counters=counters,
+            fields=fields,
+            loss_sum=state.loss_sum + jnp.where(finite, outcome.loss, 0.0),
+            metric_sums={
+                name: state.metric_sums.get(name, jnp.zeros((), jnp.float32))
+                + jnp.where(finite, value, 0.0)
+                for name, value in outcome.metrics.items()
+            },
+        )
+        return new_state, (outcome.loss.astype(jnp.float32), outcome.grads)
+
+    # Every variant of the step (`flax_loop.step.lowering`) inlines this one trace:
+    # the model's and the loss's Python runs once per loop, not once per
+    # variant, and each program is what it would be had it traced them itself.
+    return jax.jit(update, inline=True)
