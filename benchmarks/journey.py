@@ -1,7 +1,8 @@
 """How far a batch travels: the flax_loop modules and Python calls of two journeys.
 
 1. One steady interval (after the first, so nothing compiles) and the write
-   of its checkpoint file: from `next(iterator)` to the file on disk.
+   of its checkpoint file: from `next(iterator)` to the file on disk, and
+   the same from `loop.next_checkpoint()` (a notebook's call).
 2. One resume: a `TrainLoop` built from a directory's newest file, up to
    its first checkpoint.
 
@@ -102,7 +103,13 @@ def main():
     with Journey() as steady:
         checkpoint = next(iterator)
         writer(checkpoint)
-    steady.report("One steady interval and its file write")
+    steady.report("One steady interval and its file write (for checkpoint in loop)")
+    notebook = loop(model.init)
+    notebook_writer = CheckpointFileWriter(output_dir=tempfile.mkdtemp(prefix="flax_loop-journey-"))
+    notebook_writer(notebook.next_checkpoint())  # the first interval compiles
+    with Journey() as by_call:
+        notebook_writer(notebook.next_checkpoint())
+    by_call.report("One steady interval and its file write (loop.next_checkpoint())")
     with Journey() as resume:
         resumed = loop(CheckpointFileReader(dir=directory, target=model.init))
         next(iter(resumed))

@@ -42,13 +42,9 @@ from flax_loop import distributed
 from flax_loop.checkpoint import Checkpoint
 from flax_loop.errors import ConfigError, check_count
 from flax_loop.parallel import DATA_AXIS
-from flax_loop.run.assemble import (
-    DEFAULT_MUTABLE_COLLECTIONS,
-    Collections,
-    Options,
-    assemble,
-)
+from flax_loop.run.assemble import assemble
 from flax_loop.run.initial import InitFn, Reader
+from flax_loop.run.options import DEFAULT_MUTABLE_COLLECTIONS, Collections, Options
 from flax_loop.run.preemption import quiet_interrupt
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.step.compiled import CompiledSteps
@@ -206,8 +202,8 @@ class TrainLoop:
                 devices,
                 stdout,
                 options,
+                n_steps,
             )
-            self._runner.n_steps = n_steps
 
     @property
     def step(self) -> int:

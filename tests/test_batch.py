@@ -11,10 +11,19 @@ import pytest
 from flax_loop import TrainLoop, TrainTask
 from flax_loop.data.batch import BatchSpec, normalize_batch
 from flax_loop.errors import BatchError
-from tests.helpers import MLP, batches, cross_entropy, digits_split, relative_difference
+from tests.helpers import (
+    MLP,
+    batches,
+    cross_entropy,
+    digits_loop,
+    digits_split,
+    relative_difference,
+)
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
 x, y = np.zeros((8, 3), np.float32), np.zeros(8, np.int32)
+
+SGD = optax.sgd(0.1)
 
 
 @pytest.mark.parametrize(
@@ -64,28 +73,18 @@ def test_spec_names_both_shapes_when_a_batch_changes():
         spec.validate(normalize_batch((x.astype(np.int32), y)), step=5)
 
 
-def make_loop(data, n_devices=4, stdout=False):
-    model = MLP()
-    return TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data),
-        rnkey=jax.random.key(0),
-        devices=jax.devices()[:n_devices],
-        n_steps=10,
-        stdout=stdout,
-    )
-
-
 def test_batch_not_divisible_by_the_device_count():
     with pytest.raises(BatchError, match=r"size 30 does not split evenly across 4 devices"):
-        make_loop(batches(X_TRAIN, Y_TRAIN, 30))
+        digits_loop(
+            optimizer=SGD, data=batches(X_TRAIN, Y_TRAIN, 30), n_devices=4, n_steps=10, stdout=False
+        )
 
 
 def test_shape_change_mid_run_is_an_error_not_a_recompile():
     stream = itertools.chain(
         itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 3), batches(X_TRAIN, Y_TRAIN, 16)
     )
-    loop = make_loop(stream)
+    loop = digits_loop(optimizer=SGD, data=stream, n_devices=4, n_steps=10, stdout=False)
     with pytest.raises(BatchError, match=r"at step 4.*\(32, 64\).*\(16, 64\)"):
         list(loop)
     assert loop.step == 3
@@ -100,7 +99,9 @@ def test_one_compilation_per_loop(without_compilation_cache):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        loop = make_loop(batches(X_TRAIN, Y_TRAIN, 32))
+        loop = digits_loop(
+            optimizer=SGD, data=batches(X_TRAIN, Y_TRAIN, 32), n_devices=4, n_steps=10, stdout=False
+        )
         loop.compiled.wait()  # the variants compiling on the background thread
         assert len(compiles) >= 3  # the listener sees the set-up's compilations
         loop.n_steps_per_checkpoint = 3
@@ -129,7 +130,7 @@ def test_a_short_last_batch_is_trained_on_with_one_more_compilation(without_comp
         if name == "/jax/core/compile/backend_compile_duration":
             compiles.append(name)
 
-    loop = make_loop(iter(epoch))
+    loop = digits_loop(optimizer=SGD, data=iter(epoch), n_devices=4, n_steps=10, stdout=False)
     loop.n_steps, loop.n_steps_per_checkpoint = 20, 20
     loop.compiled.wait()  # the set-up's variants, compiling on the background thread
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -139,14 +140,20 @@ def test_a_short_last_batch_is_trained_on_with_one_more_compilation(without_comp
         jax.monitoring.unregister_event_duration_listener(listener)
     assert checkpoint.step == 6 and checkpoint.n_completed_steps == 6
     assert len(compiles) == 1  # the step for 16 examples, once
-    one = make_loop(iter(epoch), n_devices=1)
+    one = digits_loop(optimizer=SGD, data=iter(epoch), n_devices=1, n_steps=10, stdout=False)
     one.n_steps, one.n_steps_per_checkpoint = 20, 20
     (reference,) = list(one)
     assert relative_difference(checkpoint.model_params, reference.model_params) < 1e-5
 
 
 def test_a_short_last_batch_that_does_not_split_is_dropped_with_a_note(capsys):
-    loop = make_loop(iter(loader_epoch([32] * 4 + [10])), stdout=True)
+    loop = digits_loop(
+        optimizer=SGD,
+        data=iter(loader_epoch([32] * 4 + [10])),
+        n_devices=4,
+        n_steps=10,
+        stdout=True,
+    )
     loop.n_steps, loop.n_steps_per_checkpoint = 20, 20
     (checkpoint,) = list(loop)
     assert checkpoint.step == 4
@@ -156,13 +163,13 @@ def test_a_short_last_batch_that_does_not_split_is_dropped_with_a_note(capsys):
 
 def test_a_re_iterable_source_with_a_short_last_batch_runs_epoch_after_epoch():
     epoch = loader_epoch([32, 32, 16])
-    loop = make_loop(epoch)
+    loop = digits_loop(optimizer=SGD, data=epoch, n_devices=4, n_steps=10, stdout=False)
     loop.n_steps, loop.n_steps_per_checkpoint = 7, 3
     checkpoints = list(loop)
     assert [c.step for c in checkpoints] == [3, 6, 7]
     assert checkpoints[-1].data_state == {"flax_loop/epoch": {"epoch": 2, "batches": 1}}
     # the short batches' intervals closed apart: the separate close, built then
-    assert loop.compiled._close_interval._compiled is not None
+    assert loop.compiled.status()["close"] == "compiled"
 
 
 def _grouped_run(data, steps_per_dispatch, n_steps=14):

@@ -30,10 +30,8 @@ def test_a_stop_request_shows_in_the_bar_and_blanks_its_eta(capfd):
     report.advance(10)
     with guard:
         signal.raise_signal(signal.SIGINT)
-        task = report._bar.tasks[0]  # the columns as the bar renders them
-        columns = {type(column).__name__: column for column in report._bar.columns}
-        notice = columns["_Notice"].render(task).plain
-        eta = columns["_Remaining"].render(task).plain
+        shown = report.rendered()  # the columns as the bar renders them
+        notice, eta = shown["notice"], shown["remaining"]
     report.stop()
     assert notice == "stopping after this step (press Ctrl-C again to stop at once)"
     assert eta == ""

@@ -235,7 +235,7 @@ def test_a_restored_feed_reads_on_from_the_saved_position():
     ],
 )
 def test_each_bad_option_is_refused_by_name(options, named):
-    from flax_loop.run.assemble import Options
+    from flax_loop.run.options import Options
 
     with pytest.raises(ConfigError, match=named):
         Options(**options)
@@ -244,7 +244,7 @@ def test_each_bad_option_is_refused_by_name(options, named):
 def test_options_are_checked_once_and_frozen():
     import dataclasses
 
-    from flax_loop.run.assemble import Options
+    from flax_loop.run.options import Options
 
     options = Options(steps_per_dispatch=4, prefetch=2)
     assert (options.steps_per_dispatch, options.prefetch, options.nonfinite) == (4, 2, "raise")

@@ -7,7 +7,7 @@ import pytest
 
 from flax_loop import TrainLoop, TrainTask
 from flax_loop.errors import NonFiniteError
-from tests.helpers import BatchNormDropoutNet, batches, cross_entropy, digits_split
+from tests.helpers import BatchNormDropoutNet, batches, cross_entropy, digits_loop, digits_split
 
 X_TRAIN, Y_TRAIN, _, _ = digits_split()
 
@@ -20,30 +20,31 @@ def poisoned(bad_batch):
         yield x, y
 
 
-def make_loop(nonfinite, n_devices=2):
-    model = BatchNormDropoutNet()
-    return TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, poisoned(6)),
-        rnkey=jax.random.key(0),
+def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
+    loop = digits_loop(
+        BatchNormDropoutNet(),
+        data=poisoned(6),
+        n_devices=2,
         n_steps=20,
         n_steps_per_checkpoint=5,
         collections={"apply": ["dropout"]},
-        devices=jax.devices()[:n_devices],
-        stdout=False,
-        nonfinite=nonfinite,
+        nonfinite="raise",
     )
-
-
-def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
-    loop = make_loop("raise")
     assert loop.next_checkpoint().step == 5
     with pytest.raises(NonFiniteError, match=r"at step 7 \(detected at step 10\)"):
         loop.next_checkpoint()
 
 
 def test_skip_leaves_params_and_statistics_unchanged_and_goes_on():
-    loop = make_loop("skip")
+    loop = digits_loop(
+        BatchNormDropoutNet(),
+        data=poisoned(6),
+        n_devices=2,
+        n_steps=20,
+        n_steps_per_checkpoint=5,
+        collections={"apply": ["dropout"]},
+        nonfinite="skip",
+    )
     at_six = list(loop.run(6))[-1]
     assert at_six.step == 6
     at_seven = loop.next_step()
@@ -67,7 +68,15 @@ def test_skip_leaves_params_and_statistics_unchanged_and_goes_on():
 
 
 def test_skip_mean_loss_leaves_the_bad_step_out():
-    loop = make_loop("skip", n_devices=1)
+    loop = digits_loop(
+        BatchNormDropoutNet(),
+        data=poisoned(6),
+        n_devices=1,
+        n_steps=20,
+        n_steps_per_checkpoint=5,
+        collections={"apply": ["dropout"]},
+        nonfinite="skip",
+    )
     assert loop.next_checkpoint().n_nonfinite_steps == 0
     second = loop.next_checkpoint()
     assert second.step == 10 and second.n_nonfinite_steps == 1

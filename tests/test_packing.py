@@ -52,7 +52,7 @@ def test_a_step_that_returns_another_structure_is_reported():
 
 def _final(monkeypatch, packed, **options):
     if not packed:
-        monkeypatch.setattr(flax_loop.step.compiled, "_packing_of", lambda state: None)
+        monkeypatch.setattr(flax_loop.step.compiled, "packing_of", lambda state: None)
     loop = digits_loop(
         BatchNormDropoutNet(),
         collections={"apply": ["dropout"]},
@@ -145,7 +145,7 @@ def _wide_params(monkeypatch, width, packed):
     from flax_loop import TrainLoop, TrainTask
 
     if not packed:
-        monkeypatch.setattr(flax_loop.step.compiled, "_packing_of", lambda state: None)
+        monkeypatch.setattr(flax_loop.step.compiled, "packing_of", lambda state: None)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 40)).astype(np.float32)
     y = rng.integers(0, 4, 64).astype(np.int32)

@@ -91,7 +91,7 @@ def test_an_orbax_write_failing_at_exit_exits_75(tmp_path):
     import errno
     def full_disk():
         raise OSError(errno.ENOSPC, "No space left on device")
-    writer._manager.wait_until_finished = full_disk
+    writer.manager.wait_until_finished = full_disk
     """
     result = run_program(
         ORBAX_PROGRAM.format(
@@ -403,7 +403,7 @@ def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monk
         )
 
     straight = list(run(ResumableBatches(X_TRAIN, Y_TRAIN, 32)))
-    compile_now = compiled._compile
+    compile_now = compiled.compile_lowered
 
     released = threading.Event()  # the background thread's compilations wait for it
 
@@ -412,7 +412,7 @@ def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monk
             assert released.wait(60), "the test did not release the compilation"
         return compile_now(lowering)
 
-    monkeypatch.setattr(compiled, "_compile", held_compile)
+    monkeypatch.setattr(compiled, "compile_lowered", held_compile)
     found = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         source = ResumableBatches(X_TRAIN, Y_TRAIN, 32)
@@ -512,7 +512,7 @@ def test_a_variable_whose_dtype_a_step_changes_is_named_in_both_layouts(monkeypa
             return MLP()(x)
 
     if not packed:
-        monkeypatch.setattr(compiled, "_packing_of", lambda state: None)
+        monkeypatch.setattr(compiled, "packing_of", lambda state: None)
     with pytest.raises(ApplyError, match=r"counts/seen: int32\[4\] -> float32\[4\].*astype"):
         digits_loop(Counting(), n_steps=4, n_devices=1, mutable_collections=["counts"])
 
@@ -641,7 +641,7 @@ def test_an_orbax_failure_on_close_is_a_checkpoint_error_and_frees_the_directory
     def full_disk():
         raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
 
-    writer._manager.wait_until_finished = full_disk
+    writer.manager.wait_until_finished = full_disk
     with pytest.raises(CheckpointError, match="Orbax failed to finish a write.*RESOURCE_EXHAUSTED"):
         writer.close()
     lock = _lock.DirectoryLock(str(tmp_path), "orbax.")

@@ -1,6 +1,5 @@
 """A restarted run compiles nothing: JAX's persistent compilation cache (README: "Start fast")."""
 
-import concurrent.futures
 import os
 import subprocess
 import sys
@@ -97,11 +96,10 @@ def test_a_variant_the_cadence_never_calls_compiles_when_first_called():
     loop = digits_loop(n_devices=1, n_steps=6)
     assert [c.step for c in loop.run(3)] == [1, 2, 3]
     programs = loop.compiled.programs
-    pending = programs["one"]  # compiles when called: no future on the background thread
-    assert not isinstance(pending, jax.stages.Compiled) and callable(pending._source)
-    assert not isinstance(pending._source, concurrent.futures.Future)
-    assert isinstance(programs["last"], jax.stages.Compiled)
-    assert loop.compiled._close_interval._compiled is None  # the separate close: not even lowered
+    status = loop.compiled.status()
+    assert status["one"] == "on first call"  # no future on the background thread
+    assert status["last"] == "compiled"
+    assert status["close"] == "on first call"  # the separate close: not even lowered
     loop.n_steps_per_checkpoint = 3  # now steps 4 and 5 are single steps
     (changed,) = list(loop)
     assert changed.step == 6 and isinstance(programs["one"], jax.stages.Compiled)
@@ -117,10 +115,10 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
     import flax.linen as nn
     import optax
 
-    import flax_loop.run.initial
+    import flax_loop.step.variants
     from flax_loop.random import init_key
     from flax_loop.run.initial import _initialize, initial_state
-    from flax_loop.step.compiled import run_once_options
+    from flax_loop.step.variants import run_once_options
 
     class Net(nn.Module):
         @nn.compact
@@ -155,7 +153,7 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
     # The options reach the compilation: at level 0 this net's conv kernel
     # rounds differently, so the equality above is not that of one program.
     level_0 = {"xla_backend_optimization_level": 0}
-    monkeypatch.setattr(flax_loop.step.compiled, "run_once_options", lambda: level_0)
+    monkeypatch.setattr(flax_loop.step.variants, "run_once_options", lambda: level_0)
     other = initial_state(Net().init, optimizer, key, (x,), labels, mutable_collections=True)
     assert not all(
         np.array_equal(np.asarray(a), np.asarray(b))

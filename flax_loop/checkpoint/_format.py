@@ -30,13 +30,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._names import (
-    FORMAT_VERSION,
-    SUFFIX,
-    TEMPORARY_PREFIX,
-    key_data,
-    key_from_data,
-)
+from flax_loop.checkpoint._names import FORMAT_VERSION, SUFFIX, TEMPORARY_PREFIX
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
@@ -310,6 +304,23 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
     if fsync:
         _fsync_directory(directory)
     return final
+
+
+def key_data(key: Any) -> tuple[str, Any]:
+    r"""The implementation name and raw data of a typed key, as saved."""
+    import jax  # only where a key is saved or restored: listings load no JAX
+    import numpy as np
+
+    impl = str(jax.random.key_impl(key))
+    return impl, np.asarray(jax.random.key_data(key))
+
+
+def key_from_data(impl: str, data: Any) -> Any:
+    r"""Rebuilds a typed key from `key_data`'s output."""
+    import jax
+    import numpy as np
+
+    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
 
 
 def restore_key(meta: dict[str, Any], path: str) -> "jax.Array | None":

@@ -53,23 +53,6 @@ class LeftOut:
 _FIELDS_BEFORE_RECORDED = ["model_params", "ema_params"]
 
 
-def key_data(key: Any) -> tuple[str, Any]:
-    r"""The implementation name and raw data of a typed key, as saved."""
-    import jax  # only where a key is saved or restored: listings load no JAX
-    import numpy as np
-
-    impl = str(jax.random.key_impl(key))
-    return impl, np.asarray(jax.random.key_data(key))
-
-
-def key_from_data(impl: str, data: Any) -> Any:
-    r"""Rebuilds a typed key from `key_data`'s output."""
-    import jax
-    import numpy as np
-
-    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
-
-
 def array_names(tree: Any) -> dict[int, str]:
     r"""Each array's path in the footer's tree (`model_params/Dense_0/kernel`),
     by its index; arrays a damaged tree does not name are left out."""

@@ -96,6 +96,12 @@ class OrbaxCheckpointWriter:
         self._manager: Any = None
         self._lock: DirectoryLock | None = None
 
+    @property
+    def manager(self) -> Any:
+        r"""the Orbax `CheckpointManager` the writer writes through, opened by
+        its first write (`None` before)."""
+        return self._manager
+
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         r"""Writes a checkpoint (or a summary, with its metrics) and returns it."""
         return self.write(checkpoint)

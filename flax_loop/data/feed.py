@@ -192,13 +192,14 @@ class BatchFeed:
         steps_per_dispatch: int,
         prefetch: int | None = None,
         normalize: Callable[[Any], Batch] = normalize_batch,
+        give_up: Callable[[], bool] | None = None,
     ) -> None:
         self._placement = placement
         # On one process a batch goes to the step as it is (numpy is copied to
         # the devices by the call itself); several processes assemble theirs.
         self._place = placement.shard_batch if placement.multiprocess else _as_is
         self._batches = CheckedBatches(data, placement, normalize)
-        self._reading = ReadAhead(self._batches, prefetch, steps_per_dispatch + 2)
+        self._reading = ReadAhead(self._batches, prefetch, steps_per_dispatch + 2, give_up)
         first, self._taken_state = self._reading.first()
         self.sample = self._batches.accept_first(None if first is None else first[0])
         r"""the first batch, as the steps take it (their shapes come from it)."""
@@ -209,16 +210,6 @@ class BatchFeed:
         self.exhausted = False
         # the last dispatch's batches, and the data state before them (`untake`)
         self._taken: tuple[list[Any] | tuple[Any, ...], Any] | None = None
-
-    @property
-    def give_up(self) -> Callable[[], bool] | None:
-        r"""asked while the loop waits for the reading thread: true once the
-        loop will not use the read in progress (a stop was requested)."""
-        return self._reading.give_up
-
-    @give_up.setter
-    def give_up(self, value: Callable[[], bool] | None) -> None:
-        self._reading.give_up = value
 
     @property
     def repeats(self) -> bool:

@@ -53,7 +53,13 @@ class ReadAhead:
         depth: how far the thread reads ahead with `prefetch=None`.
     """
 
-    def __init__(self, batches: CheckedBatches, prefetch: int | None, depth: int) -> None:
+    def __init__(
+        self,
+        batches: CheckedBatches,
+        prefetch: int | None,
+        depth: int,
+        give_up: Callable[[], bool] | None = None,
+    ) -> None:
         self._batches = batches
         self._source = batches.source
         self._depth = prefetch if prefetch else depth
@@ -65,7 +71,7 @@ class ReadAhead:
         self._records = prefetch != 0
         self.last_step: int | None = None
         r"""the last step the loop will train: the thread reads no batch past it."""
-        self.give_up: Callable[[], bool] | None = None
+        self.give_up = give_up
         r"""asked while waiting for the thread: true once the read in
         progress will not be used (a stop was requested)."""
 

@@ -1,6 +1,6 @@
 r"""Set-up: `TrainLoop`'s options checked once, then everything its first step needs.
 
-In order: the options (`Options`, a frozen dataclass, validated when made);
+In order: the options (`flax_loop.run.options.Options`, checked when made);
 the devices and the dispatch plan; the feed, whose first batch gives the
 shapes; the model's layout; the initial state (the model's `init`, or the
 newest checkpoint restored into `init`'s shapes); the state placed on the
@@ -10,7 +10,7 @@ devices; the compiled step; the interval closer. The result is a `Runner`.
 >>> import numpy as np
 >>> import flax.linen as nn
 >>> from flax_loop import TrainTask
->>> from flax_loop.run.assemble import Options, assemble
+>>> from flax_loop.run.assemble import assemble
 >>> def loss(logits, labels):
 ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 >>> model = nn.Dense(3)
@@ -19,46 +19,45 @@ devices; the compiled step; the interval closer. The result is a `Runner`.
 ...                   jax.random.key(0), every=2, stdout=False)
 >>> runner.step, runner.plan.dispatches()
 (0, [('one', 1), ('last', 1)])
->>> Options(steps_per_dispatch=0)
-Traceback (most recent call last):
-...
-flax_loop.errors.ConfigError: steps_per_dispatch must be >= 1; got 0.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax.core.scope import CollectionFilter, DenyList
-from jax.sharding import Mesh
+from flax.core.scope import CollectionFilter
 
 from flax_loop import distributed
-from flax_loop.checkpoint import CheckpointFileReader, OrbaxCheckpointReader
+from flax_loop.checkpoint import CheckpointFile
 from flax_loop.data.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.data.feed import BatchFeed, DispatchPlan
-from flax_loop.errors import ConfigError, FlaxLoopError, check_count
+from flax_loop.errors import ConfigError, FlaxLoopError
 from flax_loop.log import console, is_main_process, log
-from flax_loop.parallel import DATA_AXIS, Placement
+from flax_loop.parallel import Placement
 from flax_loop.random import as_typed_key, labels_of, train_key
 from flax_loop.run.initial import (
     InitFn,
     Reader,
     initial_state,
-    parameter_annotations,
     placed,
     run_key,
     run_once,
     start_fields,
 )
 from flax_loop.run.interval import Intervals
+from flax_loop.run.layout import StepLayout
 from flax_loop.run.memory import check_fits, describe_model, format_plan, fullest
+from flax_loop.run.options import (
+    DEFAULT_MUTABLE_COLLECTIONS,
+    Collections,
+    Options,
+    as_reader,
+)
 from flax_loop.run.preemption import DEFAULT_SIGNALS, PreemptionGuard
-from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
 from flax_loop.run.throughput import (
@@ -68,89 +67,13 @@ from flax_loop.run.throughput import (
     device_peak,
     tokens_per_batch,
 )
-from flax_loop.step.build import task_step
 from flax_loop.step.compiled import CompiledSteps
-from flax_loop.step.modules import DEFAULT_STREAM, as_init, is_nnx
-from flax_loop.step.nonfinite import MODES as NONFINITE_MODES
+from flax_loop.step.core import Step
+from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs
-from flax_loop.step.sharding import (
-    DEFAULT_FSDP_MIN_BYTES,
-    Sharding,
-    check_sharding,
-    chosen_sharding,
-    is_replicated,
-    state_shardings,
-)
 from flax_loop.step.state import TrainState
 from flax_loop.step.statistics import counted
 from flax_loop.task import TrainTask, check_train_task
-
-DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
-r"""every collection but `intermediates` may change while training."""
-
-Collections = Mapping[str, Sequence[str]]
-r"""RNG collection names by use, e.g. `{"init": ["params"], "apply": ["dropout"]}`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    r"""`TrainLoop`'s keyword options (documented there), checked when made.
-
-    Raises:
-        ConfigError: naming the first invalid option.
-    """
-
-    nonfinite: str = "raise"
-    progress: bool = False
-    preemption_signals: Sequence[int] | None = None
-    steps_per_dispatch: int = 1
-    sharding: Sharding | None = None
-    mesh: Mesh | None = None
-    batch_axis: str = DATA_AXIS
-    fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES
-    ema_decay: float | None = None
-    profile: ProfileSteps | None = None
-    prefetch: int | None = None
-
-    def __post_init__(self) -> None:
-        def checked(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        checked("steps_per_dispatch", check_count("steps_per_dispatch", self.steps_per_dispatch, 1))
-        if self.nonfinite not in NONFINITE_MODES:
-            raise ConfigError(
-                f"nonfinite must be one of {NONFINITE_MODES}; got {self.nonfinite!r}."
-            )
-        if self.profile is not None and not isinstance(self.profile, ProfileSteps):
-            raise ConfigError(
-                f"profile must be a ProfileSteps(start=..., n=..., log_dir=...); "
-                f"got {self.profile!r}."
-            )
-        checked("sharding", check_sharding(self.sharding))
-        checked("fsdp_min_bytes", check_count("fsdp_min_bytes", self.fsdp_min_bytes, 0))
-        decay = self.ema_decay
-        if decay is not None and not (isinstance(decay, (int, float)) and 0 < decay < 1):
-            raise ConfigError(
-                f"ema_decay must be a number between 0 and 1 (e.g. 0.999), or None "
-                f"for no moving average; got {decay!r}."
-            )
-        if self.prefetch is not None:
-            checked("prefetch", check_count("prefetch", self.prefetch, 0))
-
-
-def as_reader(init: InitFn | Reader) -> tuple[InitFn, Reader | None]:
-    r"""The model's `init` function, and the reader to resume from, if any.
-
-    Raises:
-        ConfigError: if `init` is neither.
-    """
-    reader = init if isinstance(init, (CheckpointFileReader, OrbaxCheckpointReader)) else None
-    init_fn = as_init(reader.target if reader is not None else init)
-    if not callable(init_fn):
-        raise ConfigError(
-            f"init must be a model's init function or a CheckpointFileReader; got {init_fn!r}."
-        )
-    return init_fn, reader
 
 
 def assemble(
@@ -164,6 +87,7 @@ def assemble(
     devices: Sequence[Any] | None = None,
     stdout: bool = True,
     options: Options | None = None,
+    n_steps: int = 0,
 ) -> Runner:
     r"""Sets up a run: `TrainLoop`'s arguments (`every` is
     `n_steps_per_checkpoint`) to the `Runner` of its first interval.
@@ -178,63 +102,115 @@ def assemble(
     options = options or Options()
     task = check_train_task(task)
     init_fn, reader = as_reader(init)
+    guard, report = _guard_and_report(options)
+    placement = Placement(devices, options.mesh, options.batch_axis)
+    plan = DispatchPlan(every, options.steps_per_dispatch)
+    objective, tree, feed = _objective_and_feed(
+        task, options, placement, guard, collections, mutable_collections
+    )
+    inputs = _init_inputs(input_sample, feed.sample, tree, is_nnx(task.apply))
+    key = as_typed_key(rnkey)
+    init_labels = labels_of(collections, "init")
+    model = (init_fn, key, inputs, init_labels, mutable_collections)
+    layout = StepLayout.of(options, placement, objective, task, model)
+    start, key, step, step_key, state, shardings = _start(
+        init_fn, reader, objective, layout, placement, feed, key, stdout, model
+    )
+    interrupted = None if placement.multiprocess else lambda: guard.interrupted
+    steps = _compiled(
+        layout.step, placement, state, feed, step_key, plan, shardings, objective, interrupted
+    )
+    trained_part = objective.trained(start.model_params)
+    intervals = Intervals(
+        steps,
+        placement,
+        feed,
+        key,
+        options.nonfinite == "raise",
+        step,
+        frozen=trained_part.frozen_mask(),
+        mirrors_params=tuple(
+            name for name, field in layout.step.fields.items() if field.mirrors_params
+        ),
+    )
+    setup_seconds = time.perf_counter() - started
+    runner = Runner(
+        steps.state,
+        step,
+        step_key,
+        steps,
+        feed,
+        plan,
+        intervals,
+        placement,
+        guard,
+        _throughput(feed, tree, placement, task.tokens),
+        TimeBreakdown(setup_seconds, steps.compile_seconds),
+        stdout,
+        report,
+        options.profile,
+        n_steps,
+    )
+    trained = trained_part.split(start.model_params)
+    _say_set_up(runner, start.model_params, trained, placement, setup_seconds, stdout, layout)
+    return runner
+
+
+def _guard_and_report(options: Options) -> tuple[PreemptionGuard, ProgressReport | None]:
+    r"""The signal guard and, when asked for (on the main process), the
+    progress bar, which then shows a stop request in its line."""
     signals = options.preemption_signals
     guard = PreemptionGuard(DEFAULT_SIGNALS if signals is None else signals)
     report = None
     if options.progress and is_main_process():
         report = ProgressReport(console(), guard.notice)
-        guard.quiet = report.live  # the bar shows a stop request in its line
-    placement = Placement(devices, options.mesh, options.batch_axis)
-    plan = DispatchPlan(every, options.steps_per_dispatch)
+        guard.quiet = report.live
+    return guard, report
+
+
+def _objective_and_feed(
+    task: TrainTask,
+    options: Options,
+    placement: Placement,
+    guard: PreemptionGuard,
+    collections: Collections | None,
+    mutable_collections: CollectionFilter,
+) -> tuple[Objective, BatchTree | None, BatchFeed]:
+    r"""What the step optimizes, the structure of a `compute_loss` task's
+    batches, and the feed (its first batch read: the run's shapes)."""
     apply_labels = labels_of(collections, "apply")
     if is_nnx(task.apply) and not apply_labels:
         apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
-    objective = Objective.of(task, task.apply, apply_labels, mutable_collections)
-    tree = None if objective.supervised else BatchTree()
+    tree = None if getattr(task, "compute_loss", None) is None else BatchTree()
+    objective = Objective.of(task, task.apply, apply_labels, mutable_collections, tree)
     feed = BatchFeed(
         task.data,
         placement,
         options.steps_per_dispatch,
         options.prefetch,
         normalize=tree or normalize_batch,
+        # several processes agree on a stop at checkpoints; one gives up a read
+        give_up=None if placement.multiprocess else lambda: guard.requested,
     )
-    objective.batch_tree = tree
-    if not placement.multiprocess:  # several processes agree on a stop at checkpoints
-        feed.give_up = lambda: guard.requested  # no wait for an unused read
-    inputs = _init_inputs(input_sample, feed.sample, tree, is_nnx(task.apply))
-    throughput = _throughput(feed, tree, placement, task.tokens)
-    key = as_typed_key(rnkey)
-    init_labels = labels_of(collections, "init")
-    annotations = None
-    if options.sharding == "model" or (options.sharding is None and options.mesh is not None):
-        annotations = parameter_annotations(init_fn, key, inputs, init_labels, mutable_collections)
-    sharding = chosen_sharding(options.sharding, annotations)
+    return objective, tree, feed
 
-    sharded = not is_replicated(sharding)
-    step_value = task_step(
-        objective,
-        placement.batch_axis if placement.n_devices > 1 or sharded else None,
-        skip=options.nonfinite == "skip",
-        shards=placement.batch_sharding if sharded else None,
-        ema_decay=options.ema_decay,
-        frozen=lambda params: objective.trained(params).frozen_mask(),
-        transforms=getattr(task, "transforms", ()),
-    )
 
-    def shardings_of(state: TrainState) -> TrainState:
-        return state_shardings(
-            sharding,
-            placement,
-            state,
-            objective,
-            options.fsdp_min_bytes,
-            annotations,
-            step_value.fields,
-        )
-
-    def layout(fields: Any) -> Any:
-        return shardings_of(TrainState.create(fields, 0)).fields
-
+def _start(
+    init_fn: InitFn,
+    reader: Reader | None,
+    objective: Objective,
+    layout: StepLayout,
+    placement: Placement,
+    feed: BatchFeed,
+    key: Any,
+    stdout: bool,
+    model: tuple[Any, ...],
+) -> tuple[CheckpointFile, Any, int, Any, TrainState, TrainState | None]:
+    r"""The state training starts from (the model's `init`, or the newest
+    checkpoint of `reader`), the run's key, the step the processes agree on,
+    the steps' key (with the frozen models' arrays), and the state placed
+    on the devices with its shardings (`None` when replicated)."""
+    _, _, inputs, init_labels, mutable_collections = model
     start = initial_state(
         init_fn,
         objective,
@@ -243,8 +219,8 @@ def assemble(
         init_labels,
         mutable_collections,
         reader,
-        layout,
-        step_value,
+        layout.fields_layout,
+        layout.step,
     )
     if start.path is not None:
         key = run_key(start, key, stdout)
@@ -258,68 +234,68 @@ def assemble(
     state, shardings = placed(
         start,
         step,
-        start_fields(start, step_value),
+        start_fields(start, layout.step),
         placement,
-        shardings_of if sharded else None,
+        layout.shardings_of if layout.sharded else None,
     )
-    update = counted(step_value)
-    try:
-        steps = CompiledSteps(
-            update, placement, state, feed.sample_batch, step_key, plan, shardings,
-            objective.grads_like,
-        )  # fmt: skip
-    except Exception as error:  # say what the step was traced with
-        if not isinstance(error, FlaxLoopError):
-            error.add_note(
-                "flax_loop: raised while tracing the training step (the model and "
-                f"the loss) on the first batch: {feed.spec.describe()}."
-            )
-        raise
-    if not placement.multiprocess:
-        steps.interrupted = lambda: guard.interrupted
-    trained_part = objective.trained(start.model_params)
-    intervals = Intervals(
-        steps,
-        placement,
-        feed,
-        key,
-        options.nonfinite == "raise",
-        step,
-        frozen=trained_part.frozen_mask(),
-        mirrors_params=tuple(
-            name for name, field in step_value.fields.items() if field.mirrors_params
-        ),
-    )
-    if options.profile is not None:
-        options.profile.stdout = stdout
-    setup_seconds = time.perf_counter() - started
-    runner = Runner(
-        steps.state,
-        step,
-        step_key,
-        steps,
-        feed,
-        plan,
-        intervals,
-        placement,
-        guard,
-        throughput,
-        TimeBreakdown(setup_seconds, steps.compile_seconds),
-        stdout,
-        report,
-        options.profile,
-    )
-    trained = trained_part.split(start.model_params)
+    return start, key, step, step_key, state, shardings
+
+
+def _say_set_up(
+    runner: Runner,
+    params: Any,
+    trained: Any,
+    placement: Placement,
+    setup_seconds: float,
+    stdout: bool,
+    layout: StepLayout,
+) -> None:
+    r"""Set-up's "Model:" and "Memory:" lines; a `ConfigError` when the
+    memory plan exceeds a device's."""
     log(
-        describe_model(start.model_params, placement.n_devices, setup_seconds, trained),
+        describe_model(params, placement.n_devices, setup_seconds, trained),
         stdout,
         lead="Model:",
         style="bold",
     )
     figures = runner.memory_plan()
     log(format_plan(fullest(figures)), stdout, lead="Memory:")
-    check_fits(figures, placement.devices, fsdp=sharding == "fsdp")
-    return runner
+    check_fits(figures, placement.devices, fsdp=layout.sharding == "fsdp")
+
+
+def _compiled(
+    step: Step,
+    placement: Placement,
+    state: TrainState,
+    feed: BatchFeed,
+    step_key: Any,
+    plan: DispatchPlan,
+    shardings: TrainState | None,
+    objective: Objective,
+    interrupted: Callable[[], bool] | None,
+) -> CompiledSteps:
+    r"""The step compiled for the plan's first dispatch (the others compiling
+    behind it); an error raised while tracing says what the step was traced
+    with."""
+    try:
+        return CompiledSteps(
+            counted(step),
+            placement,
+            state,
+            feed.sample_batch,
+            step_key,
+            plan,
+            shardings,
+            objective.grads_like,
+            interrupted,
+        )
+    except Exception as error:
+        if not isinstance(error, FlaxLoopError):
+            error.add_note(
+                "flax_loop: raised while tracing the training step (the model and "
+                f"the loss) on the first batch: {feed.spec.describe()}."
+            )
+        raise
 
 
 def _init_inputs(

@@ -33,12 +33,12 @@ from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
-from flax_loop.step.compiled import run_once
 from flax_loop.step.core import CORE, Fields, Step
 from flax_loop.step.modules import NNXModel
 from flax_loop.step.objective import SOWN, Objective
 from flax_loop.step.sharding import linen_annotations
 from flax_loop.step.state import TrainState
+from flax_loop.step.variants import run_once
 
 InitFn = Callable[..., Any]
 r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""

@@ -173,16 +173,7 @@ class Intervals:
         if n_completed:
             state, result = self._finish(state, loss, n_completed, statistics)
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
-                where = (
-                    f"at step {result.first_nonfinite}"
-                    if result.first_nonfinite
-                    else f"between steps {self.start + 1} and {step}"
-                )
-                raise NonFiniteError(
-                    f"The loss or a gradient was NaN or infinite {where} (detected at "
-                    f"step {step}). Lower the learning rate, check the data for NaN or "
-                    "Inf, or pass nonfinite='skip' to TrainLoop to skip such updates."
-                )
+                raise _nonfinite(result, self.start, step)
             grads, loss_value = self._grads, result.loss
             n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
             train_metrics = {
@@ -251,6 +242,21 @@ class Intervals:
             bool(finite),
             metrics,
         )
+
+
+def _nonfinite(result: IntervalResult, start: int, step: int) -> NonFiniteError:
+    r"""The error of an interval (after `start`, up to `step`) with a
+    non-finite loss or gradient."""
+    where = (
+        f"at step {result.first_nonfinite}"
+        if result.first_nonfinite
+        else f"between steps {start + 1} and {step}"
+    )
+    return NonFiniteError(
+        f"The loss or a gradient was NaN or infinite {where} (detected at "
+        f"step {step}). Lower the learning rate, check the data for NaN or "
+        "Inf, or pass nonfinite='skip' to TrainLoop to skip such updates."
+    )
 
 
 def hyperparameters(optimizer_state: Any) -> dict[str, float]:

@@ -57,10 +57,6 @@ class ProfileSteps:
     traced_steps: list[int] = field(default_factory=list, init=False)
     r"""the steps dispatched while tracing (filled as the loop runs)."""
 
-    stdout: bool = field(default=True, init=False)
-    r"""whether the closing "Traced steps ..." line is printed (the loop's
-    `stdout`); a trace that fails is said regardless."""
-
     problem: str | None = field(default=None, init=False)
     r"""why the trace could not be taken or written, if it could not."""
 
@@ -97,16 +93,18 @@ class ProfileSteps:
         r"""The annotation a traced dispatch runs under."""
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
-    def record(self, first_step: int, last_step: int, marker: Any) -> None:
+    def record(self, first_step: int, last_step: int, marker: Any, stdout: bool = True) -> None:
         r"""Notes a traced dispatch; stops the trace after the window's last step."""
         self.traced_steps.extend(range(max(first_step, self.start), min(last_step, self.end) + 1))
         if last_step >= self.end:
             jax.block_until_ready(marker)
-            self.finish()
+            self.finish(stdout)
 
-    def finish(self) -> None:
+    def finish(self, stdout: bool = True) -> None:
         r"""Stops the trace if it runs (the loop calls it when it stops early
-        too); a trace that cannot be written is a note."""
+        too); a trace that cannot be written is a note. `stdout`: whether the
+        closing "Traced steps ..." line is printed (the loop's); a trace that
+        fails is said regardless."""
         if not self._active:
             return
         self._active = False
@@ -119,7 +117,7 @@ class ProfileSteps:
             return
         steps = self.traced_steps
         where = f"{steps[0]}-{steps[-1]}" if steps else f"{self.start}-{self.end}"
-        log(f"Traced steps {where} into {self.log_dir}.", stdout=self.stdout)
+        log(f"Traced steps {where} into {self.log_dir}.", stdout=stdout)
 
     def _give_up(self, why: str) -> None:
         self._done = True

@@ -8,6 +8,7 @@ latest checkpoint's interval means. Only process 0 shows it.
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -132,6 +133,19 @@ class ProgressReport:
             parts.append(self._loss_text())
         self._console.print(" · ".join(parts), highlight=False)
 
+    def rendered(self) -> dict[str, str]:
+        r"""The bar's columns as it renders them now, by the column's kind
+        (`"notice"`, `"remaining"`, ...); `{}` while no bar shows."""
+        if self._bar is None or self._task is None:
+            return {}
+        task = self._bar.tasks[0]
+        names = {_Notice: "notice", _Remaining: "remaining"}
+        return {
+            names.get(type(column), type(column).__name__): _plain(column.render(task))
+            for column in self._bar.columns
+            if not isinstance(column, str)
+        }
+
     def stop(self) -> None:
         r"""Stops showing progress (the bar stays on screen)."""
         if self._bar is not None:
@@ -163,3 +177,7 @@ class _Remaining(TimeRemainingColumn):
         if self._notice():
             return Text("")
         return super().render(task)
+
+
+def _plain(rendered: Any) -> str:
+    return rendered.plain if isinstance(rendered, Text) else str(rendered)

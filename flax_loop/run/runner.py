@@ -67,6 +67,7 @@ class Runner:
         stdout: whether to print notes.
         report: the progress bar, if shown.
         profile: the window of steps traced, if any.
+        n_steps: the total number of steps the run trains to.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Runner:
         stdout: bool,
         report: ProgressReport | None,
         profile: ProfileSteps | None,
+        n_steps: int = 0,
     ) -> None:
         self.state = state
         self.step = step
@@ -102,7 +104,7 @@ class Runner:
         self.profile = profile
         self.lost: str | None = None  # why the run cannot go on (an interrupt)
         self.stopped_by = ""  # what asked for the last stop (Ctrl-C, SIGTERM)
-        self.n_steps = 0
+        self.n_steps = n_steps
         r"""the total number of steps the run trains to (`TrainLoop.n_steps`)."""
 
     def follow(self, every: int) -> None:
@@ -125,7 +127,9 @@ class Runner:
         try:
             # a reading thread reads meanwhile, never past the last step trained
             self.feed.resume(self.step + 1, max(last_step, self.n_steps))
-            with distributed.failing_together():
+            # one process has no other to fail with (nor to cross into for it)
+            together = distributed.failing_together() if self.placement.multiprocess else None
+            with together or contextlib.nullcontext():
                 yield
         except KeyboardInterrupt as error:
             self.guard.clear()  # the interrupt ends this call; the next one trains on
@@ -142,7 +146,7 @@ class Runner:
             self.feed.pause()  # no thread reads on after a call (nor is waited for)
             self.guard.uninstall()
             if self.profile is not None:
-                self.profile.finish()  # never leave a trace running
+                self.profile.finish(self.stdout)  # never leave a trace running
             if self.report is not None:
                 self.report.stop()
 
@@ -254,7 +258,7 @@ class Runner:
             self.state, loss = result[0], result[1]
             if traced:
                 annotation.__exit__(None, None, None)
-                profile.record(step + 1, step + n_steps, loss)  # type: ignore[union-attr]
+                profile.record(step + 1, step + n_steps, loss, self.stdout)  # type: ignore[union-attr]
             self.step = step = step + n_steps
             if n_steps > 1:
                 note_losses(loss)
@@ -277,18 +281,8 @@ class Runner:
         if step == intervals.start and not preempted:
             return None
         self.state, checkpoint = intervals.close(self.state, step, loss, ending, started, preempted)
-        self.throughput.read_flops(self.steps.programs)
-        checkpoint.throughput = self.throughput.measure(
-            checkpoint.n_completed_steps, checkpoint.elapsed_time
-        )
-        ended = time.perf_counter()
-        checkpoint.time_breakdown = self.times.close(
-            started,
-            ended,
-            data,
-            device + ended - mark,  # the checkpoint's copy and statistics: waiting for the devices
-            self.steps.compile_seconds - compiled_before,  # inside dispatches or the close
-        )
+        # the checkpoint's copy and statistics: waiting for the devices
+        _account(self, checkpoint, (started, mark), data, device, compiled_before)
         if preempted:
             self.stopped_by = guard.name or "another process was asked to stop"
             guard.clear()
@@ -297,3 +291,29 @@ class Runner:
             loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss
             report.checkpoint(step, loss, metrics)
         return checkpoint
+
+
+def _account(
+    runner: Runner,
+    checkpoint: Checkpoint,
+    clocks: tuple[float, float],
+    data: float,
+    device: float,
+    compiled_before: float,
+) -> None:
+    r"""The checkpoint's rates and where its interval's time went (`clocks`:
+    the interval's start, and the end of its last dispatch: the close since
+    counts as device time)."""
+    started, mark = clocks
+    runner.throughput.read_flops(runner.steps.programs)
+    checkpoint.throughput = runner.throughput.measure(
+        checkpoint.n_completed_steps, checkpoint.elapsed_time
+    )
+    ended = time.perf_counter()
+    checkpoint.time_breakdown = runner.times.close(
+        started,
+        ended,
+        data,
+        device + ended - mark,
+        runner.steps.compile_seconds - compiled_before,  # inside dispatches or the close
+    )

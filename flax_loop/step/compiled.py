@@ -11,9 +11,8 @@ the rest only when first called (`CompiledSteps`).
 
 import concurrent.futures
 import functools
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -23,95 +22,17 @@ from flax_loop.data.batch import Batch
 from flax_loop.data.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.parallel import Placement
 from flax_loop.step.lowering import lower_update
-from flax_loop.step.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
-from flax_loop.step.state import TrainState, close_interval
+from flax_loop.step.state import TrainState
 from flax_loop.step.statistics import Update
-
-
-def _compile(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
-    return lowering().compile()
-
-
-_POLL_SECONDS = 0.05
-
-
-class _Compiling:
-    r"""A program compiling on the background thread (`source` its future), or
-    compiled when first called (`source` compiles it): called, it waits for
-    the executable, puts it in `programs` under `name`, if given (later
-    calls go straight to it), and runs it. While it waits, `interrupted()`
-    (if given) is asked every 50 ms; once true, it raises `KeyboardInterrupt`
-    without running anything."""
-
-    def __init__(
-        self,
-        source: concurrent.futures.Future | Callable[[], Any],
-        programs: dict[str, Any] | None = None,
-        name: str = "",
-        interrupted: Callable[[], Callable[[], bool] | None] = lambda: None,
-        waited: Callable[[float], None] = lambda seconds: None,
-    ) -> None:
-        self._source, self._programs, self._name = source, programs, name
-        self._interrupted, self._waited = interrupted, waited
-        self._compiled: Any = None
-
-    def result(self) -> Callable[..., Any]:
-        if self._compiled is None:
-            source = self._source
-            started = time.perf_counter()
-            self._compiled = (
-                self._wait(source) if isinstance(source, concurrent.futures.Future) else source()
-            )
-            self._waited(time.perf_counter() - started)
-        if self._programs is not None and self._programs.get(self._name) is self:
-            self._programs[self._name] = self._compiled
-        return self._compiled
-
-    def __call__(self, *args: Any) -> Any:
-        return self.result()(*args)
-
-    def _wait(self, future: concurrent.futures.Future) -> Any:
-        interrupted = self._interrupted()
-        while interrupted is not None:
-            try:
-                return future.result(timeout=_POLL_SECONDS)
-            except concurrent.futures.TimeoutError:
-                if interrupted():
-                    raise KeyboardInterrupt from None
-        return future.result()
-
-
-def _lower_variant(
-    lower_with: Callable[..., Any],
-    name: str,
-    state: Any,
-    key: Any,
-    plan: DispatchPlan,
-    batches: tuple[Batch, Batch | None, Batch | None],
-) -> Any:
-    r"""Lowers the plan's variant `name` from `state`; `batches` holds a
-    batch, the stacked group and the closing group (`None` if not planned)."""
-    batch, stacked, closing = batches
-    if name == MANY:
-        assert stacked is not None
-        return lower_with(state, stacked, key, n_steps=plan.steps_per_dispatch)
-    if name == MANY_LAST:
-        assert closing is not None
-        n_steps = plan.closing_steps
-        return lower_with(state, closing, key, n_steps=n_steps, with_grads=True, closing=True)
-    last = name == LAST  # it closes the interval too
-    return lower_with(state, batch, key, with_grads=last, closing=last)
-
-
-def _with_sums(
-    state: TrainState, shardings: TrainState | None, names: Any, placement: Placement
-) -> tuple[TrainState, TrainState | None]:
-    r"""The state and its shardings with a zero sum for each metric the loss reports."""
-    zeros = {name: np.zeros((), np.float32) for name in names}
-    state = state._replace(metric_sums=placement.replicate(zeros))
-    if shardings is not None:
-        shardings = shardings._replace(metric_sums={name: placement.replicated for name in names})
-    return state, shardings
+from flax_loop.step.variants import (
+    Compiling,
+    Variants,
+    abstract,
+    compile_close,
+    compile_lowered,
+    packing_of,
+    run_once_options,
+)
 
 
 class CompiledSteps:
@@ -142,6 +63,8 @@ class CompiledSteps:
         shardings: the state's shardings, or `None` when replicated.
         grads_like: maps a tree shaped as the parameters to one shaped as
             the step's gradients (`Objective.grads_like`); identity by default.
+        interrupted: asked while a program waits for its compilation (once
+            true, the call raises `KeyboardInterrupt`), or `None`.
     """
 
     def __init__(
@@ -154,6 +77,7 @@ class CompiledSteps:
         plan: DispatchPlan,
         shardings: TrainState | None = None,
         grads_like: Callable[[Any], Any] | None = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> None:
         started = time.perf_counter()
         self.compile_seconds = 0.0
@@ -161,61 +85,28 @@ class CompiledSteps:
         compilation on the background thread: set-up's, then any since."""
         self.grads_like = grads_like or (lambda tree: tree)
         r"""maps a tree shaped as the parameters to one shaped as the gradients."""
-        self.interrupted: Callable[[], bool] | None = None
+        self.interrupted = interrupted
         r"""asked while a program waits for its compilation: once true, the
         call raises `KeyboardInterrupt` instead, before running anything."""
         needed = plan.needed()
         first = needed[0]
-        if shardings is not None:
-            mode = "gspmd"
-        else:
-            mode = "shard_map" if placement.n_devices > 1 else "jit"
-        replicated = placement.replicated
         # A replicated state travels packed: fewer arrays a call (flax_loop.step.packing).
-        packing = None if shardings is not None else _packing_of(state)
+        packing = None if shardings is not None else packing_of(state)
         batch = sample_batch(1)
         stacked = sample_batch(plan.steps_per_dispatch) if plan.steps_per_dispatch > 1 else None
         closing = sample_batch(plan.closing_steps) if plan.closing_steps else None
         self._stacked = stacked
-
-        def lower(name: str, state: Any, shardings: TrainState | None) -> Any:
-            lower_with = functools.partial(
-                lower_update,
-                update,
-                placement,
-                mode=mode,
-                shardings=shardings,
-                packing=packing,
-                grads_like=self.grads_like,
-            )
-            return _lower_variant(lower_with, name, state, key, plan, (batch, stacked, closing))
-
-        def lower_first() -> Any:
-            packed = state if packing is None else run_once(packing.pack, replicated, state)
-            return packed, lower(first, packed, shardings)
-
-        try:
-            try:
-                packed, program = lower_first()
-            except NameError as error:
-                # A model that names the batch axis (BatchNorm(axis_name="data")) on
-                # one device: bind the axis with a one-device mesh.
-                unbound = f"unbound axis name: {placement.batch_axis}"
-                if mode != "jit" or unbound not in str(error):
-                    raise
-                mode = "shard_map"
-                packed, program = lower_first()
-        except LayoutChanged as changed:  # the loss reports metrics: carry their sums
-            state, shardings = _with_sums(state, shardings, changed.state.metric_sums, placement)
-            if packing is not None:
-                packing = _packing_of(state)
-            packed, program = lower_first()
+        variants = Variants(
+            update, placement, key, plan, (batch, stacked, closing), self.grads_like
+        )
+        packed, program, state, shardings, packing, mode = variants.first(
+            first, state, shardings, packing
+        )
         self.packing = packing
         r"""the layout the state travels in, or `None` (a sharded state)."""
         # the unpacked state's shapes and layout, for the programs below
-        self._unpacked = jax.tree.map(_abstract, state)
-        state = packed
-        self.state = state
+        self._unpacked = jax.tree.map(abstract, state)
+        self.state = packed
         r"""the state to start from (with the metric sums the loss needs)."""
         self._lower = functools.partial(
             lower_update,
@@ -228,15 +119,16 @@ class CompiledSteps:
             grads_like=self.grads_like,
         )
         self._shorter: dict[Any, Callable[..., Any]] = {}
-        state_sharding = replicated if shardings is None else shardings
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
-        abstract = jax.tree.map(_abstract, state)
-        self._abstract = abstract
+        self._abstract = jax.tree.map(abstract, packed)
         names = [LAST, ONE] + ([MANY] if stacked is not None else [])
         names += [MANY_LAST] if plan.closing_steps else []
         later = {
-            name: functools.partial(_compile, functools.partial(lower, name, abstract, shardings))
+            name: functools.partial(
+                compile_lowered,
+                functools.partial(variants.lower, name, self._abstract, shardings, mode, packing),
+            )
             for name in names
             if name != first
         }
@@ -247,47 +139,74 @@ class CompiledSteps:
         self._closing_groups: dict[int, Any] = {}
         self._close_interval: Callable[..., Any]
         self._copy: Callable[..., Any]
-        self._background = concurrent.futures.ThreadPoolExecutor(
+        self._schedule(first, program, needed, later, plan, placement, shardings)
+        self.compile_seconds += time.perf_counter() - started
+
+    def _schedule(
+        self,
+        first: str,
+        program: jax.stages.Lowered,
+        needed: list[str],
+        later: Mapping[str, Callable[[], Any]],
+        plan: DispatchPlan,
+        placement: Placement,
+        shardings: TrainState | None,
+    ) -> None:
+        r"""Compiles the first variant here, and schedules the rest: the other
+        needed ones on the background thread (while the first steps run:
+        compiled beside it, they would only share the cores with it), the
+        others, and the interval's separate close (needed only when an
+        interval ends without its `last` step: a stop, the stream's end), when
+        first called; the checkpoint's copier on the background thread."""
+        background = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="flax_loop-compile"
         )
-        # The other needed variants are traced and compiled once the first is,
-        # while the first steps run (compiled beside it, they would only share
-        # the cores with it). The interval's separate close is needed only when
-        # an interval ends without its `last` step (a stop, the stream's end):
-        # it is traced, lowered and compiled then (a small program).
         try:
             self.programs[first] = program.compile()
             for name, compile in later.items():
                 if name in needed:
-                    future = self._background.submit(compile)
-                    self.programs[name] = _Compiling(
+                    future = background.submit(compile)
+                    self.programs[name] = Compiling(
                         future, self.programs, name, lambda: self.interrupted, self._waited
                     )
                 else:
-                    self.programs[name] = _Compiling(
+                    self.programs[name] = Compiling(
                         compile, self.programs, name, waited=self._waited
                     )
             if plan.closing_steps:
                 self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
             grads = self.grads_like(self._unpacked.model_params)
-            closing_layout = (state_sharding, replicated)
-            self._close_interval = _Compiling(
-                lambda: _compile_close(packing, closing_layout, abstract, grads),
+            replicated = placement.replicated
+            closing_layout = (replicated if shardings is None else shardings, replicated)
+            packing, abstract = self.packing, self._abstract
+            self._close_interval = Compiling(
+                lambda: compile_close(packing, closing_layout, abstract, grads),
                 waited=self._waited,
             )
             # every checkpoint copies the state
-            self._copy = _Compiling(
-                self._background.submit(functools.partial(self._compile_copy, placement)),
+            self._copy = Compiling(
+                background.submit(functools.partial(self._compile_copy, placement)),
                 waited=self._waited,
             )
         finally:
-            self._background.shutdown(wait=False)  # the thread ends after the last one
-        self.compile_seconds += time.perf_counter() - started
+            background.shutdown(wait=False)  # the thread ends after the last one
 
     @property
     def state_shapes(self) -> TrainState:
         r"""the state's shapes, dtypes and shardings, unpacked (`jax.ShapeDtypeStruct`)."""
         return self._unpacked
+
+    def status(self) -> dict[str, str]:
+        r"""Where each program stands: `"compiled"`, `"compiling"` (on the
+        background thread) or `"on first call"`; the variants by name (but
+        `SHORTER`, compiled for each size it meets), `"close"` (the
+        interval's separate close) and `"copy"` (the checkpoint's copier)."""
+        programs = {name: program for name, program in self.programs.items() if name != SHORTER}
+        programs.update(close=self._close_interval, copy=self._copy)
+        return {
+            name: program.status if isinstance(program, Compiling) else "compiled"
+            for name, program in programs.items()
+        }
 
     def _waited(self, seconds: float) -> None:
         self.compile_seconds += seconds
@@ -311,8 +230,11 @@ class CompiledSteps:
             lowering = functools.partial(
                 self._lower, self._abstract, closing, n_steps=size, with_grads=True, closing=True
             )
-            program = _Compiling(
-                functools.partial(_compile, lowering), self.programs, MANY_LAST, waited=self._waited
+            program = Compiling(
+                functools.partial(compile_lowered, lowering),
+                self.programs,
+                MANY_LAST,
+                waited=self._waited,
             )
             self._closing_groups[size] = program
         self.programs[MANY_LAST] = program
@@ -327,23 +249,23 @@ class CompiledSteps:
             # not donated), which the next step's donation leaves alone
             return packing.unpack(packed).saved_arrays()
 
-        abstract = jax.tree.map(_abstract, self.state)
+        shapes = jax.tree.map(abstract, self.state)
         # slices and copies: compiled as the initial state is, for a short compilation
-        copying = jax.jit(copy, out_shardings=placement.replicated).lower(abstract)
+        copying = jax.jit(copy, out_shardings=placement.replicated).lower(shapes)
         return copying.compile(run_once_options())
 
     def copier(self) -> Callable[[Any], dict[str, Any]]:
         r"""`copy(state)`: the saved state's arrays (`TrainState.saved_arrays`)
         as fresh arrays, which outlive the loop's donation of its own to the
         next step (a checkpoint's); compiled, once this returns."""
-        if isinstance(self._copy, _Compiling):
+        if isinstance(self._copy, Compiling):
             self._copy = self._copy.result()
         return self._copy
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""
         for compiled in (*self.programs.values(), self._close_interval, self._copy):
-            if isinstance(compiled, _Compiling):
+            if isinstance(compiled, Compiling):
                 compiled.result()
 
     def _shorter_step(self, state: TrainState, batch: Batch, key: jax.Array) -> Any:
@@ -364,49 +286,3 @@ class CompiledSteps:
         the stream's end, a shorter last batch): `-> (state with its
         interval sums reset, statistics)`, compiled when first needed."""
         return self._close_interval(state, grads)
-
-
-def _compile_close(packing: Packing | None, shardings: Any, state: Any, grads: Any) -> Any:
-    r"""The interval's separate close (`close_interval`) compiled for the
-    state's layout (`state`, `grads`: their shapes), `shardings` those of its
-    outputs."""
-    close = jax.jit(on_packed(close_interval, packing), donate_argnums=0, out_shardings=shardings)
-    return close.lower(state, grads).compile()
-
-
-def _packing_of(state: TrainState) -> Packing | None:
-    r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
-    or one with fewer than two leaves to pack."""
-    if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) > MAX_STATE_BYTES:
-        return None
-    packing = Packing(state)
-    return packing if packing.n_packed >= 2 else None
-
-
-def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-
-
-_LEVEL = "xla_backend_optimization_level"
-
-
-def run_once(fn: Callable[..., Any], out_shardings: Any, *args: Any) -> Any:
-    r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
-    once (an initialization), compiled with `run_once_options()`."""
-    lowered = jax.jit(fn, out_shardings=out_shardings).lower(*args)
-    return lowered.compile(compiler_options=run_once_options())(*args)
-
-
-def run_once_options() -> dict[str, Any] | None:
-    r"""XLA options for a program run once.
-
-    XLA's CPU backend spends most of an initialization's compilation
-    optimizing code that runs once (the initializers' threefry hashes, at
-    LLVM's highest level by default): at level 2 a 3-conv CNN's init
-    compiles in 0.9 s instead of 3.6 s, runs as fast, and gives the same
-    values bit for bit (tests/test_startup.py). A level set in `XLA_FLAGS`
-    is kept; other backends compile with their defaults.
-    """
-    if jax.default_backend() != "cpu" or _LEVEL in os.environ.get("XLA_FLAGS", ""):
-        return None
-    return {_LEVEL: 2}

@@ -109,6 +109,19 @@ def lower_update(
     stacked = n_steps > 1
     assert not stacked or with_grads == closing, "several steps return gradients only to close"
 
+    steps = _program(update, stacked, with_grads, closing, packing)
+    n_outputs = 4 if closing else 3 if with_grads else 2
+    jitted = _over_devices(steps, placement, mode, shardings, stacked, n_outputs, grads_like)
+    return jitted.lower(state, batch, key)
+
+
+def _program(
+    update: Update, stacked: bool, with_grads: bool, closing: bool, packing: Packing | None
+) -> Callable[..., Any]:
+    r"""The variant's program `(state, batch, key) -> outputs`, before it is
+    placed on the devices (`_over_devices`): one step, a scan of several,
+    or the interval's closing step(s), as `lower_update` describes them."""
+
     def one_step(state: TrainState, batch: Batch, key: jax.Array) -> Any:
         new_state, outputs = update(state, batch, key)
         if jax.tree.structure(new_state) != jax.tree.structure(state):  # type: ignore[operator]
@@ -149,9 +162,22 @@ def lower_update(
         return state, jnp.concatenate([losses, loss[None]]), grads, statistics
 
     if stacked:
-        steps = closing_steps if closing else scanned_steps
-    else:
-        steps = on_packed(single_step, packing)
+        return closing_steps if closing else scanned_steps
+    return on_packed(single_step, packing)
+
+
+def _over_devices(
+    steps: Callable[..., Any],
+    placement: Placement,
+    mode: str,
+    shardings: TrainState | None,
+    stacked: bool,
+    n_outputs: int,
+    grads_like: Callable[[Any], Any] | None,
+) -> Any:
+    r"""`steps(state, batch, key)` jitted for the placement in `mode` (as
+    `lower_update` takes them), the state donated; `n_outputs` the number
+    of values it returns (state, loss, and gradients and statistics)."""
     replicated = placement.replicated
     if mode == "shard_map":
         # check_vma=False keeps pmap's semantics: per-device gradients, then an
@@ -168,19 +194,16 @@ def lower_update(
             check_vma=False,
         )
     if mode != "gspmd" or shardings is None:
-        jitted = jax.jit(steps, donate_argnums=0, out_shardings=replicated)
-    else:
-        batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
-        grads_shardings = (grads_like or (lambda tree: tree))(shardings.model_params)
-        outputs = (shardings, replicated, grads_shardings, replicated)
-        n_outputs = 4 if closing else 3 if with_grads else 2
-        jitted = jax.jit(
-            steps,
-            donate_argnums=0,
-            in_shardings=(shardings, batch_sharding, replicated),
-            out_shardings=outputs[:n_outputs],
-        )
-    return jitted.lower(state, batch, key)
+        return jax.jit(steps, donate_argnums=0, out_shardings=replicated)
+    batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
+    grads_shardings = (grads_like or (lambda tree: tree))(shardings.model_params)
+    outputs = (shardings, replicated, grads_shardings, replicated)
+    return jax.jit(
+        steps,
+        donate_argnums=0,
+        in_shardings=(shardings, batch_sharding, replicated),
+        out_shardings=outputs[:n_outputs],
+    )
 
 
 def _returned(gradient: jax.Array) -> jax.Array:

@@ -156,6 +156,8 @@ class Objective:
         frozen: frozen models or pytrees by name, or `None`.
         supervised: whether the parts' losses take `(inputs, targets)` batches
             (a task's `loss`) rather than the batch as the stream gave it.
+        batch_tree: (not supervised) the structure of the stream's batches,
+            the feed's normalizer (it learns the structure from the first batch).
     """
 
     def __init__(
@@ -166,14 +168,16 @@ class Objective:
         mutable_collections: CollectionFilter,
         frozen: Mapping[str, Any] | None = None,
         supervised: bool = False,
+        batch_tree: BatchTree | None = None,
     ) -> None:
         self.parts = tuple(parts)
         self.keyed = self.parts[0].name is not None
         self.rng_labels = list(rng_labels)
         self.mutable_collections = mutable_collections
         self.supervised = supervised
-        self.batch_tree: BatchTree | None = None
-        r"""the structure of the stream's batches (not supervised), set by the feed."""
+        self.batch_tree = batch_tree
+        r"""the structure of the stream's batches (not supervised), which the
+        feed learns from the first batch."""
         self._nnx = NNXModel(apply, train=True) if is_nnx(apply) else None
         self._apply = apply
         self._frozen_nnx = {
@@ -192,8 +196,10 @@ class Objective:
         apply: Any,
         rng_labels: Sequence[str],
         mutable_collections: CollectionFilter,
+        batch_tree: BatchTree | None = None,
     ) -> Objective:
-        r"""The objective a (checked) `TrainTask` describes."""
+        r"""The objective a (checked) `TrainTask` describes (`batch_tree` as
+        the constructor takes it)."""
         compute_loss = getattr(task, "compute_loss", None)
         supervised = compute_loss is None
         losses: Any = supervised_loss(task.loss) if supervised else compute_loss
@@ -213,7 +219,7 @@ class Objective:
             ]
         else:
             parts = [Part(None, losses, optimizer, trainable)]
-        return cls(parts, apply, rng_labels, mutable_collections, frozen, supervised)
+        return cls(parts, apply, rng_labels, mutable_collections, frozen, supervised, batch_tree)
 
     # -- parameters and optimizer states ------------------------------------
 

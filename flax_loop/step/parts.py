@@ -78,12 +78,34 @@ def parts_step(
         the step, carrying `CORE` only; its `Outcome.grads` are the last
         part's gradients, or with several parts a dict of each part's by name.
     """
-    per_device_shapes = axis_name is not None
-    partitions: list[Any] = []
+    return Step(dict, _Parts(objective, axis_name, shards).update)
+
+
+class _Parts:
+    r"""`parts_step`'s update: its functions share the objective, the axis
+    and the parts' partitions (known once the first trace sees the
+    parameters)."""
+
+    def __init__(
+        self, objective: Objective, axis_name: str | None, shards: NamedSharding | None
+    ) -> None:
+        self.objective, self.axis_name, self.shards = objective, axis_name, shards
+        self.partitions: list[Any] = []
+        self.gradient = jax.value_and_grad(
+            self.per_device if shards is None else self.over_shards, has_aux=True, argnums=0
+        )
 
     def per_device(
-        trainable: Any, params: Any, model_state: Any, batch: Batch, context: Context, index: int
+        self,
+        trainable: Any,
+        params: Any,
+        model_state: Any,
+        batch: Batch,
+        context: Context,
+        index: int,
     ) -> tuple[jax.Array, Any]:
+        r"""Part `index`'s loss on one device's batch, `(loss, (mutated, metrics))`."""
+        objective, axis_name = self.objective, self.axis_name
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
         number = context.step + 1  # keys (and the loss's `step`) count from 1
         rngs = step_keys(context.key, number, device_index, objective.rng_labels)
@@ -91,15 +113,23 @@ def parts_step(
         if index:  # a later part draws numbers of its own
             rngs = {label: jax.random.fold_in(k, index) for label, k in rngs.items()}
             rng = jax.random.fold_in(rng, index)
-        part, partition = objective.parts[index], partitions[index]
+        part, partition = objective.parts[index], self.partitions[index]
         bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
         result = objective.call_loss(part, bound, batch, rng, number, context.frozen)
-        loss_value, metrics = split_loss(result, per_device_shapes)
+        loss_value, metrics = split_loss(result, axis_name is not None)
         return loss_value, (bound.collected(), metrics)
 
     def over_shards(
-        trainable: Any, params: Any, model_state: Any, batch: Batch, context: Context, index: int
+        self,
+        trainable: Any,
+        params: Any,
+        model_state: Any,
+        batch: Batch,
+        context: Context,
+        index: int,
     ) -> tuple[jax.Array, Any]:
+        r"""`per_device` mapped over the batch's shards (a sharded state)."""
+        shards, axis_name = self.shards, self.axis_name
         assert shards is not None and axis_name is not None
         n_shards = shards.mesh.shape[axis_name]
         split = jax.tree.map(
@@ -107,7 +137,7 @@ def parts_step(
         )
         split = jax.lax.with_sharding_constraint(split, shards)
         losses, (mutated, metrics) = jax.vmap(
-            lambda shard: per_device(trainable, params, model_state, shard, context, index),
+            lambda shard: self.per_device(trainable, params, model_state, shard, context, index),
             axis_name=axis_name,
         )(split)
         # pmean semantics: floating leaves averaged over the shards, integer
@@ -118,20 +148,17 @@ def parts_step(
         )
         return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics))
 
-    gradient = jax.value_and_grad(
-        per_device if shards is None else over_shards, has_aux=True, argnums=0
-    )
-
     def run_part(
-        index: int, fields: Fields, optimizer_state: Any, batch: Batch, context: Context
+        self, index: int, fields: Fields, optimizer_state: Any, batch: Batch, context: Context
     ) -> tuple[Any, ...]:
-        partition = partitions[index]
+        r"""Part `index`: its loss, gradient and optimizer update."""
+        partition, axis_name = self.partitions[index], self.axis_name
         params, model_state = fields["model_params"], fields["model_state"]
         trainable = partition.split(params)
-        (loss_value, (mutated, metrics)), grads = gradient(
+        (loss_value, (mutated, metrics)), grads = self.gradient(
             trainable, params, model_state, batch, context, index
         )
-        if axis_name and shards is None:
+        if axis_name and self.shards is None:
             loss_value, grads, metrics = jax.lax.pmean((loss_value, grads, metrics), axis_name)
             mutated = _pmean_floating(mutated, axis_name)
         # The interval's last step also returns the gradients. Without the
@@ -141,21 +168,23 @@ def parts_step(
         # Materialized, the gradients are computed alike everywhere (measured
         # free: benchmarks/README.md).
         grads = jax.lax.optimization_barrier(grads)
-        updates, optimizer_state = objective.parts[index].optimizer.update(
+        updates, optimizer_state = self.objective.parts[index].optimizer.update(
             grads, optimizer_state, trainable
         )
         params = partition.merge(params, optax.apply_updates(trainable, updates))
         fields = {**fields, "model_params": params, "model_state": {**model_state, **mutated}}
         return loss_value, metrics, grads, fields, optimizer_state
 
-    def update(fields: Fields, batch: Batch, context: Context) -> tuple[Fields, Outcome]:
-        if not partitions:
-            partitions.extend(objective.partitions(fields["model_params"]))
+    def update(self, fields: Fields, batch: Batch, context: Context) -> tuple[Fields, Outcome]:
+        r"""The step: every part in turn."""
+        objective = self.objective
+        if not self.partitions:
+            self.partitions.extend(objective.partitions(fields["model_params"]))
         model_state = fields["model_state"]
         optimizer_states = objective.of_parts(fields["optimizer_state"])
         losses, all_grads, metrics = [], [], {}
         for index, part in enumerate(objective.parts):
-            loss_value, part_metrics, grads, fields, optimizer_states[index] = run_part(
+            loss_value, part_metrics, grads, fields, optimizer_states[index] = self.run_part(
                 index, fields, optimizer_states[index], batch, context
             )
             losses.append(loss_value)
@@ -175,5 +204,3 @@ def parts_step(
         }
         grads = objective.by_part(all_grads)
         return fields, Outcome(loss_value, metrics, grads, jnp.isfinite(loss_value))
-
-    return Step(dict, update)

@@ -1,0 +1,86 @@
+r"""The run's step and how its state is laid out over the devices.
+
+`StepLayout.of` chooses the layout (`TrainLoop(sharding=...)`, the model's
+own annotations with a mesh) and builds the task's step over it: the fields
+the step declares are laid out by their `Field`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from flax_loop.parallel import Placement
+from flax_loop.run.initial import parameter_annotations
+from flax_loop.run.options import Options
+from flax_loop.step.build import task_step
+from flax_loop.step.core import Step
+from flax_loop.step.objective import Objective
+from flax_loop.step.sharding import Sharding, chosen_sharding, is_replicated, state_shardings
+from flax_loop.step.state import TrainState
+from flax_loop.task import TrainTask
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    r"""The run's step and how its state is laid out over the devices."""
+
+    step: Step
+    r"""the task's step (its fields declared by its transforms)."""
+
+    sharding: Sharding
+    r"""the chosen layout (`flax_loop.step.sharding`)."""
+
+    annotations: Any
+    r"""the model's own partition specs, if read."""
+
+    shardings_of: Callable[[TrainState], TrainState]
+    r"""the state's shardings, given the state."""
+
+    @property
+    def sharded(self) -> bool:
+        return not is_replicated(self.sharding)
+
+    def fields_layout(self, fields: Any) -> Any:
+        r"""The shardings of the step's fields, given their shapes."""
+        return self.shardings_of(TrainState.create(fields, 0)).fields
+
+    @classmethod
+    def of(
+        cls,
+        options: Options,
+        placement: Placement,
+        objective: Objective,
+        task: TrainTask,
+        model: tuple[Any, ...],
+    ) -> StepLayout:
+        r"""The layout the options and the model ask for, and the task's step
+        over it (`model`: `parameter_annotations`' arguments)."""
+        annotations = None
+        if options.sharding == "model" or (options.sharding is None and options.mesh is not None):
+            annotations = parameter_annotations(*model)
+        sharding = chosen_sharding(options.sharding, annotations)
+        sharded = not is_replicated(sharding)
+        step = task_step(
+            objective,
+            placement.batch_axis if placement.n_devices > 1 or sharded else None,
+            skip=options.nonfinite == "skip",
+            shards=placement.batch_sharding if sharded else None,
+            ema_decay=options.ema_decay,
+            frozen=lambda params: objective.trained(params).frozen_mask(),
+            transforms=getattr(task, "transforms", ()),
+        )
+
+        def shardings_of(state: TrainState) -> TrainState:
+            return state_shardings(
+                sharding,
+                placement,
+                state,
+                objective,
+                options.fsdp_min_bytes,
+                annotations,
+                step.fields,
+            )
+
+        return cls(step, sharding, annotations, shardings_of)
