@@ -11,6 +11,7 @@ from flax_loop.errors import ConfigError
 from flax_loop.step.core import Transform
 from flax_loop.step.modules import is_nnx
 from flax_loop.step.objective import LossFn, check_compute_loss
+from flax_loop.step.own import check_update
 
 MetricFn = Callable[..., Any]
 
@@ -113,6 +114,37 @@ class TrainTask:
     batch as the stream gave it); by default an integer input of shape
     (batch, length) counts as token ids."""
 
+    update: Callable[..., Any] | None = None
+    r"""instead of `loss` and `compute_loss`, your own step:
+    `update(state, batch, *, rng, step) -> (state, metrics)`, traced and
+    compiled by the loop, with every guarantee of the built-in steps
+    (exact resume, the same bits for any cadence, N devices computing what
+    one computes).
+
+    `state` (`flax_loop.step.own.StepState`) holds `params`, `model_state`,
+    `opt_state` (a dict by name when `optimizer` is a dict) and `carry`;
+    `state.model(params)` is the model bound to `params`, as `compute_loss`
+    gets it, to call and differentiate through; `state.apply_gradients(
+    grads, name=None)` averages the gradients over the devices and applies
+    the named optimizer to its `trainable` parameters, as often as the step
+    needs (in Python loops, `lax.scan`, `fori_loop`); `state.replace(...)`
+    changes the rest. `batch` is the stream's batch as it gave it, `rng` a
+    key of this step and device, `step` the number of updates done before
+    this one (0 at the first), as optax's `count` and Flax's
+    `TrainState.step` count. `metrics` is a dict of scalars with `"loss"`
+    (what the interval's mean, the non-finite check and the progress bar
+    read). The model state's and the carry's floating-point values are
+    averaged over the devices after each step; return the state's
+    `model_state` changed (`state.replace(model_state=...)`) for
+    collections the model's calls change."""
+
+    carry: Any = None
+    r"""arrays (a pytree) your `update` carries from step to step, as
+    `state.carry`: a loss scale, a target network, an environment's state.
+    They are returned in `Checkpoint.carried["carry"]`, saved in files and
+    Orbax checkpoints, restored on resume and counted by the memory plan;
+    the step keeps their structure, dtypes and shapes."""
+
 
 @dataclass
 class EvalTask:
@@ -163,19 +195,33 @@ def check_train_task(task: Any) -> TrainTask:
     """
     missing = [name for name in ("apply", "optimizer", "data") if getattr(task, name, None) is None]
     loss, compute_loss = getattr(task, "loss", None), getattr(task, "compute_loss", None)
-    if loss is None and compute_loss is None:
-        missing.append("loss (or compute_loss)")
+    update = getattr(task, "update", None)
+    if loss is None and compute_loss is None and update is None:
+        missing.append("loss (or compute_loss, or update)")
     if missing:
         raise ConfigError(
             f"task must be a TrainTask(apply, optimizer, loss, data) (or with "
             f"compute_loss= instead of loss); got {type(task).__name__} without "
             f"{', '.join(missing)}."
         )
-    if loss is not None and compute_loss is not None:
+    given = [
+        name
+        for name, value in (("loss", loss), ("compute_loss", compute_loss), ("update", update))
+        if value is not None
+    ]
+    if len(given) > 1:
         raise ConfigError(
-            "task has both loss and compute_loss; give one: loss(*outputs, *targets), "
-            "or compute_loss(model, batch, *, rng, step) for a loss that calls the model."
+            f"task has {' and '.join(given)}; give one: loss(*outputs, *targets), "
+            "compute_loss(model, batch, *, rng, step) for a loss that calls the model, "
+            "or update(state, batch, *, rng, step) for a step of your own."
         )
+    if getattr(task, "carry", None) is not None and update is None:
+        raise ConfigError(
+            "task.carry is carried by a step of your own: pass update(state, batch, *, "
+            "rng, step), which reads and returns it as state.carry."
+        )
+    if update is not None:
+        check_update(update)
     if not (callable(task.apply) or is_nnx(task.apply)):
         raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
     if hasattr(task.apply, "lower") and hasattr(task.apply, "trace"):  # jax.jit(model.apply)
@@ -187,10 +233,11 @@ def check_train_task(task: Any) -> TrainTask:
     if loss is not None and not callable(loss):
         raise ConfigError(f"task.loss must be callable; got {loss!r}.")
     frozen = getattr(task, "frozen", None)
-    if frozen is not None and compute_loss is None:
+    if frozen is not None and loss is not None:
         raise ConfigError(
-            "task.frozen is given to compute_loss(..., frozen=...); a task with "
-            "loss(*outputs, *targets) cannot use it. Pass compute_loss instead of loss."
+            "task.frozen is given to compute_loss(..., frozen=...) (and to update as "
+            "state.frozen); a task with loss(*outputs, *targets) cannot use it. Pass "
+            "compute_loss instead of loss."
         )
     optimizers = task.optimizer if isinstance(task.optimizer, Mapping) else {None: task.optimizer}
     if not optimizers:
@@ -228,7 +275,7 @@ def check_train_task(task: Any) -> TrainTask:
             f"task.transforms must be a list of functions transform(step) -> step "
             f"(flax_loop.step.Transform); got {transforms!r}."
         )
-    if loss is None:
+    if compute_loss is not None:
         losses = compute_loss if isinstance(compute_loss, Mapping) else {None: compute_loss}
         for name, fn in losses.items():
             where = "task.compute_loss" + ("" if name is None else f"[{name!r}]")

@@ -181,7 +181,7 @@ def _objective_and_feed(
     apply_labels = labels_of(collections, "apply")
     if is_nnx(task.apply) and not apply_labels:
         apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
-    tree = None if getattr(task, "compute_loss", None) is None else BatchTree()
+    tree = None if getattr(task, "loss", None) is not None else BatchTree()
     objective = Objective.of(task, task.apply, apply_labels, mutable_collections, tree)
     feed = BatchFeed(
         task.data,

@@ -70,6 +70,8 @@ class StepLayout:
             ema_decay=options.ema_decay,
             frozen=lambda params: objective.trained(params).frozen_mask(),
             transforms=getattr(task, "transforms", ()),
+            update=getattr(task, "update", None),
+            carry=getattr(task, "carry", None),
         )
 
         def shardings_of(state: TrainState) -> TrainState:

@@ -34,6 +34,7 @@ from flax_loop.step.core import Step, Transform, chain
 from flax_loop.step.ema import with_ema
 from flax_loop.step.nonfinite import skip_nonfinite
 from flax_loop.step.objective import Objective, Part, supervised_loss
+from flax_loop.step.own import UpdateFn, own_step
 from flax_loop.step.parts import parts_step
 from flax_loop.step.statistics import Update, counted
 
@@ -46,6 +47,8 @@ def task_step(
     ema_decay: float | None = None,
     frozen: Callable[[Any], Any] | None = None,
     transforms: Sequence[Transform] = (),
+    update: UpdateFn | None = None,
+    carry: Any = None,
 ) -> Step:
     r"""The objective's step with the transforms the options ask for.
 
@@ -58,13 +61,19 @@ def task_step(
             tree of booleans, or `None`): their average is the parameter.
         transforms: the task's own transforms (`TrainTask.transforms`),
             applied first.
+        update, carry: a step of the task's own (`TrainTask.update`) and the
+            arrays it carries, instead of the objective's parts.
     """
     applied = list(transforms)
     if ema_decay is not None:
         applied.append(with_ema(ema_decay, frozen))
     if skip:  # outermost: a skipped step leaves every field as it was
         applied.append(skip_nonfinite())
-    return chain(parts_step(objective, axis_name, shards), *applied)
+    if update is not None:
+        base = own_step(update, objective, carry, axis_name, shards)
+    else:
+        base = parts_step(objective, axis_name, shards)
+    return chain(base, *applied)
 
 
 def build_step(

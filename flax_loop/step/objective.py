@@ -135,8 +135,9 @@ class Part:
     name: str | None
     r"""its name in the task's dicts; `None` for a task of one optimizer."""
 
-    compute_loss: LossFn
-    r"""its loss, `compute_loss(model, batch, *, rng, step)`."""
+    compute_loss: LossFn | None
+    r"""its loss, `compute_loss(model, batch, *, rng, step)`; `None` in a
+    task's own step (`TrainTask.update`)."""
 
     optimizer: optax.GradientTransformation
     r"""its optimizer."""
@@ -201,7 +202,9 @@ class Objective:
         r"""The objective a (checked) `TrainTask` describes (`batch_tree` as
         the constructor takes it)."""
         compute_loss = getattr(task, "compute_loss", None)
-        supervised = compute_loss is None
+        supervised = getattr(task, "loss", None) is not None
+        # a task's own `update` has no loss of the objective's: its parts are
+        # its optimizers and what each trains
         losses: Any = supervised_loss(task.loss) if supervised else compute_loss
         optimizer, trainable = task.optimizer, getattr(task, "trainable", None)
         frozen = getattr(task, "frozen", None)
@@ -327,6 +330,7 @@ class Objective:
         self, part: Part, bound: Any, batch: Batch, rng: jax.Array, step: jax.Array, frozen: Any
     ) -> Any:
         r"""What `part.compute_loss` returns for the batch."""
+        assert part.compute_loss is not None, "a task's own step calls no part's loss"
         if self.supervised:
             return part.compute_loss(bound, batch)
         assert self.batch_tree is not None, "the feed sets the batches' structure"

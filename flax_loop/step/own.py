@@ -1,0 +1,304 @@
+r"""Your own step: `TrainTask(update=fn)`, with every guarantee of the built-in forms.
+
+`fn(state, batch, *, rng, step) -> (state, metrics)` is traced and compiled
+by the loop. `state` is a `StepState`: the parameters, the model state, the
+optimizer state (a dict by name when the optimizers are), the arrays the
+step carries (`TrainTask(carry=...)`), and the means to use them:
+`state.model(params)` (the model bound to `params`, as `compute_loss` gets
+it) and `state.apply_gradients(grads, name=None)` (averaged over the
+devices, then one optimizer applied to its trainable parameters), which a
+step may call any number of times, in Python loops or in `lax.scan`.
+
+>>> import jax, optax
+>>> import jax.numpy as jnp
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop.step.core import Context
+>>> from flax_loop.step.objective import Objective, Part
+>>> model = nn.Dense(1)
+>>> x = np.ones((8, 3), np.float32)
+>>> params = model.init(jax.random.key(0), x)["params"]
+>>> def update(state, batch, *, rng, step):
+...     for _ in range(3):  # three updates of one optimizer in a step
+...         loss, grads = jax.value_and_grad(lambda p: state.model(p)(batch).mean())(state.params)
+...         state = state.apply_gradients(grads)
+...     return state, {"loss": loss}
+>>> objective = Objective([Part(None, None, optax.sgd(0.1), None)], model.apply, [], False)
+>>> step = own_step(update, objective, carry=None, axis_name=None)
+>>> fields = step.init({"model_params": params, "model_state": {},
+...                     "optimizer_state": optax.sgd(0.1).init(params)})
+>>> fields, outcome = step.update(fields, x, Context(jax.random.key(0), jnp.int32(0)))
+>>> round(float(fields["model_params"]["bias"][0]), 6)  # three steps of -0.1 * d(mean)/d(bias)
+-0.3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding
+
+from flax_loop.errors import ConfigError, LossError
+from flax_loop.random import loss_key, step_keys
+from flax_loop.step.core import Context, Field, Fields, Outcome, Step
+from flax_loop.step.objective import Objective
+from flax_loop.step.parts import _pmean_floating
+
+CARRY = "carry"
+r"""The field the step's own arrays are carried (and saved) as."""
+
+UpdateFn = Callable[..., Any]
+r"""`update(state, batch, *, rng, step) -> (state, metrics)`."""
+
+
+class _Env:
+    r"""What a `StepState` needs besides its arrays: the same object for the
+    whole step (the state's static part, so the state passes through
+    `lax.scan` and `fori_loop`)."""
+
+    def __init__(
+        self,
+        objective: Objective,
+        partitions: list[Any],
+        axis_name: str | None,
+        rngs: dict[str, jax.Array],
+        frozen: Any,
+    ) -> None:
+        self.objective, self.partitions = objective, partitions
+        self.axis_name, self.rngs, self.frozen = axis_name, rngs, frozen
+        self.names = [part.name for part in objective.parts]
+
+    def index(self, name: str | None) -> int:
+        if name in self.names:
+            return self.names.index(name)
+        if name is None:
+            raise ConfigError(
+                f"state.apply_gradients needs name=: the task has the optimizers "
+                f"{self.names}; say which one applies the gradients."
+            )
+        known = self.names if self.names != [None] else "one optimizer (name=None)"
+        raise ConfigError(
+            f"state.apply_gradients(name={name!r}): the task has no optimizer of that "
+            f"name; it has {known}."
+        )
+
+
+@struct.dataclass
+class StepState:
+    r"""The state your own step (`TrainTask(update=fn)`) takes and returns.
+
+    A pytree: pass it through `jax.lax.scan` or `fori_loop`, change it with
+    `state.replace(...)`; its structure, dtypes and shapes stay from step to
+    step.
+    """
+
+    params: Any
+    r"""the model's parameters."""
+
+    model_state: Any
+    r"""the model's other collections (`batch_stats`), as the step carries them."""
+
+    opt_state: Any
+    r"""the optimizer state; a dict by name when `TrainTask.optimizer` is a dict."""
+
+    carry: Any
+    r"""the arrays the step carries (`TrainTask(carry=...)`); `None` without."""
+
+    grads: Any
+    r"""the gradients each optimizer last applied this step (zeros before
+    its first `apply_gradients`), as `Checkpoint.grads` shows them."""
+
+    env: _Env = struct.field(pytree_node=False)
+
+    @property
+    def frozen(self) -> dict[str, Any]:
+        r"""the frozen models (`TrainTask(frozen=...)`), NNX modules in
+        evaluation mode, anything else as given; `{}` without."""
+        return self.env.frozen
+
+    def model(self, params: Any = None, *, rng: jax.Array | None = None) -> Any:
+        r"""The model bound to `params` (the state's by default) and the
+        state's model state, as `compute_loss` gets it: an NNX module, or for
+        linen a callable `model(*inputs, method=..., **kwargs)`. Call it and
+        differentiate through it. Its random streams are the step's; pass
+        `rng` to draw others (in a loop, `jax.random.fold_in(rng, i)`)."""
+        env = self.env
+        rngs = env.rngs
+        if rng is not None:
+            rngs = {label: jax.random.fold_in(rng, index) for index, label in enumerate(rngs)}
+        params = self.params if params is None else params
+        return env.objective.bind(params, self.model_state, rngs).model
+
+    def apply_gradients(self, grads: Any, name: str | None = None) -> StepState:
+        r"""The state after one update of optimizer `name` (the task's one
+        optimizer when `None`): `grads` (shaped as the parameters) averaged
+        over the devices, then applied to the parameters that optimizer
+        trains (`TrainTask.trainable`); the others keep their values.
+
+        Raises:
+            ConfigError: for a name the task's optimizers do not have.
+        """
+        env = self.env
+        index = env.index(name)
+        partition = env.partitions[index]
+        optimizer = env.objective.parts[index].optimizer
+        states, all_grads = (
+            env.objective.of_parts(self.opt_state),
+            env.objective.of_parts(self.grads),
+        )
+        trainable = partition.split(self.params)
+        applied = partition.split(grads)
+        if env.axis_name is not None:
+            applied = jax.lax.pmean(applied, env.axis_name)
+        # materialized as the built-in step's are: the same bits in every variant
+        applied = jax.lax.optimization_barrier(applied)
+        updates, states[index] = optimizer.update(applied, states[index], trainable)
+        # recorded in the parameters' dtypes: the state keeps its dtypes in a scan
+        all_grads[index] = jax.tree.map(lambda g, p: g.astype(p.dtype), applied, trainable)
+        return dataclasses.replace(
+            self,
+            params=partition.merge(self.params, optax.apply_updates(trainable, updates)),
+            opt_state=env.objective.by_part(states),
+            grads=env.objective.by_part(all_grads),
+        )
+
+
+def own_step(
+    update: UpdateFn,
+    objective: Objective,
+    carry: Any,
+    axis_name: str | None,
+    shards: NamedSharding | None = None,
+) -> Step:
+    r"""The step of `TrainTask(update=fn)`.
+
+    Args:
+        update: the task's `update(state, batch, *, rng, step)`.
+        objective: the task's optimizers and trainable parts (and its model).
+        carry: the initial arrays the step carries, or `None`.
+        axis_name: the mesh axis gradients are averaged over; `None` on one
+            device and with a sharded state (`shards`), whose step runs over
+            the whole batch at once.
+        shards: the batch's layout with a sharded state, or `None`.
+    """
+    averaged_over = axis_name if shards is None else None
+    partitions: list[Any] = []
+
+    def init(fields: Fields) -> Fields:
+        if carry is None:
+            return dict(fields)
+        return {**fields, CARRY: jax.tree.map(jnp.asarray, carry)}
+
+    def step_update(fields: Fields, batch: Any, context: Context) -> tuple[Fields, Outcome]:
+        params = fields["model_params"]
+        if not partitions:
+            partitions.extend(objective.partitions(params))
+        device_index = jax.lax.axis_index(averaged_over) if averaged_over else 0
+        number = context.step + 1  # keys count from 1, as the built-in step's
+        env = _Env(
+            objective,
+            partitions,
+            averaged_over,
+            step_keys(context.key, number, device_index, objective.rng_labels),
+            {} if context.frozen is None else objective.frozen_view(context.frozen),
+        )
+        zeros = objective.by_part(
+            [partition.split(jax.tree.map(jnp.zeros_like, params)) for partition in partitions]
+        )
+        state = StepState(
+            params, fields["model_state"], fields["optimizer_state"], fields.get(CARRY), zeros, env
+        )
+        given = batch if objective.batch_tree is None else objective.batch_tree.unflatten(batch)
+        rng = loss_key(context.key, number, device_index)
+        new, metrics = _checked(update(state, given, rng=rng, step=context.step), update)
+        loss = metrics.pop("loss")
+        if averaged_over is not None:
+            loss, metrics = jax.lax.pmean((loss, metrics), averaged_over)
+        new_fields = {
+            **fields,
+            "model_params": new.params,
+            "model_state": _averaged(new.model_state, averaged_over),
+            "optimizer_state": new.opt_state,
+        }
+        if carry is not None:
+            new_fields[CARRY] = _averaged(new.carry, averaged_over)
+        return new_fields, Outcome(loss, metrics, new.grads, jnp.isfinite(loss))
+
+    return Step(init, step_update, {} if carry is None else {CARRY: Field()})
+
+
+def _averaged(tree: Any, axis_name: str | None) -> Any:
+    r"""Floating leaves averaged over the devices (they stay one value for
+    every replica); integer ones as they are."""
+    return tree if axis_name is None else _pmean_floating(tree, axis_name)
+
+
+def _checked(result: Any, update: UpdateFn) -> tuple[StepState, dict[str, jax.Array]]:
+    r"""What `update` returned, as `(state, metrics)`, or a `ConfigError`/
+    `LossError` naming what is wrong."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StepState)):
+        got = (
+            f"a tuple of {len(result)}: ({', '.join(type(item).__name__ for item in result)})"
+            if isinstance(result, tuple)
+            else type(result).__name__
+        )
+        raise ConfigError(
+            f"task.update must return (state, metrics): the StepState it was given "
+            f"(or state.apply_gradients(...)/state.replace(...) of it) and a dict of "
+            f"scalars with 'loss'; {_name(update)} returned {got}."
+        )
+    state, metrics = result
+    if not isinstance(metrics, Mapping) or "loss" not in metrics:
+        raise LossError(
+            f"task.update's metrics must be a dict of scalars with 'loss' (the loss "
+            f"the interval's mean, the non-finite check and the progress bar read); "
+            f"{_name(update)} returned {metrics!r:.200}."
+        )
+    checked = {}
+    for name, value in metrics.items():
+        array = jnp.asarray(value)
+        if (
+            not isinstance(name, str)
+            or array.shape != ()
+            or not jnp.issubdtype(array.dtype, jnp.number)
+        ):
+            raise LossError(
+                f"task.update's metrics must map names to scalars; {name!r} is "
+                f"{array.dtype}{list(array.shape)} (reduce it with .mean())."
+            )
+        checked[name] = array.astype(jnp.float32)
+    return state, checked
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def check_update(update: Any) -> None:
+    r"""Checks that `update` takes `(state, batch, *, rng, step)`.
+
+    Raises:
+        ConfigError: naming what the signature lacks.
+    """
+    if not callable(update):
+        raise ConfigError(f"task.update must be callable; got {update!r}.")
+    try:
+        signature = inspect.signature(update)
+    except (TypeError, ValueError):
+        return
+    parameters = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [keyword for keyword in ("rng", "step") if keyword not in parameters]
+    if missing:
+        raise ConfigError(
+            f"task.update must be update(state, batch, *, rng, step) -> (state, metrics); "
+            f"{_name(update)} has the signature {signature} (missing {', '.join(missing)})."
+        )
