@@ -32,17 +32,19 @@ In a notebook, `loop.next_checkpoint()` runs to the next multiple (or to
 from __future__ import annotations  # help(TrainLoop) shows the short type names
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from flax.core.scope import CollectionFilter
 from jax.sharding import Mesh
 
 from flax_loop import distributed
-from flax_loop.checkpoint import Checkpoint
+from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.errors import ConfigError, check_count
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.run.assemble import assemble
+from flax_loop.run.hand import with_hyperparams
 from flax_loop.run.initial import InitFn, Reader
 from flax_loop.run.options import DEFAULT_MUTABLE_COLLECTIONS, Collections, Options
 from flax_loop.run.preemption import quiet_interrupt
@@ -191,6 +193,8 @@ class TrainLoop:
                 prefetch=prefetch,
             )
             self.profile = options.profile  # the window of steps traced (`traced_steps`)
+            optimizer = getattr(task, "optimizer", None)
+            self._optimizer_names = list(optimizer) if isinstance(optimizer, Mapping) else [None]
             self._runner = assemble(
                 init,
                 task,
@@ -278,6 +282,69 @@ class TrainLoop:
     def __next__(self) -> Checkpoint:
         self._check_n_steps()
         return next(self._runner.run(target=None))
+
+    def update_state(self, fn: Callable[[SavedState], SavedState]) -> None:
+        r"""Changes the state the next step takes: `fn(saved)` of the saved
+        record now (a `SavedState`: `model_params`, `model_state`,
+        `optimizer_state`, the step's `carried` fields) returns it changed,
+        with the same structure, dtypes and shapes; the next step starts
+        from it, without compiling again, and the next checkpoint (and its
+        file) holds it. Writing to a `Checkpoint`'s arrays changes nothing.
+
+        >>> import jax, optax
+        >>> import numpy as np
+        >>> import flax.linen as nn
+        >>> from flax_loop import TrainLoop, TrainTask
+        >>> model = nn.Dense(3)
+        >>> def cross_entropy(logits, labels):
+        ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+        >>> loop = TrainLoop(init=model.init, task=TrainTask(model.apply, optax.sgd(0.1),
+        ...                  cross_entropy, batches), rnkey=jax.random.key(0), n_steps=4,
+        ...                  stdout=False)
+        >>> _ = loop.next_checkpoint()
+        >>> loop.update_state(lambda saved: saved.map_arrays(
+        ...     lambda arrays: {**arrays, "model_params": jax.tree.map(
+        ...         np.zeros_like, arrays["model_params"])}))
+        >>> float(abs(loop.next_checkpoint().model_params["kernel"]).max()) < 0.1
+        True
+
+        Raises:
+            ConfigError: if `fn` returns another structure, dtype or shape.
+        """
+        self._runner.update_state(fn)
+
+    def set_hyperparams(self, name: str | None = None, **values: Any) -> None:
+        r"""Sets hyperparameters of an optimizer built with
+        `optax.inject_hyperparams` (`learning_rate=1e-4`) for the steps from
+        the next on: of the task's optimizer, or with a dict of them, the one
+        named `name`. Saved with the next checkpoint; nothing compiles again.
+
+        Raises:
+            ConfigError: for an optimizer without injected hyperparameters, a
+                hyperparameter it does not have, or an unknown `name`.
+        """
+        names = self._optimizer_names
+        if (name is None) != (names == [None]) or name not in names:
+            raise ConfigError(
+                f"set_hyperparams(name={name!r}): "
+                + (
+                    "the task has one optimizer: leave name out."
+                    if names == [None]
+                    else f"the task's optimizers are {names}: name one."
+                )
+            )
+        where = "task.optimizer" + ("" if name is None else f"[{name!r}]")
+
+        def changed(saved: SavedState) -> SavedState:
+            state = saved.optimizer_state
+            if name is None:
+                state = with_hyperparams(state, values, where)
+            else:
+                state = {**state, name: with_hyperparams(state[name], values, where)}
+            return dataclasses.replace(saved, optimizer_state=state)
+
+        self._runner.update_state(changed)
 
     def next_checkpoint(self) -> Checkpoint:
         r"""Runs to the next checkpoint and returns it.

@@ -68,8 +68,9 @@ class TrainTask:
     `batch_stats` change and carry over as in training). It may be called
     several times (each call draws its own dropout) and differentiated
     through. `batch` is the stream's batch, `rng` a key of this step and
-    device (`jax.random.normal(rng, ...)`), `step` the step's number (a
-    traced int, 1 for the first). With `frozen`, it also takes `frozen`.
+    device (`jax.random.normal(rng, ...)`), `step` the number of updates
+    done before this one (a traced int, 0 at the first, as optax's `count`
+    and Flax's `TrainState.step`). With `frozen`, it also takes `frozen`.
 
     Sown values reach the loss: linen's `self.sow("intermediates", ...)`
     (or any collection the variables lack) fills `model.sown` after a call
@@ -211,7 +212,8 @@ def check_train_task(task: Any) -> TrainTask:
     ]
     if len(given) > 1:
         raise ConfigError(
-            f"task has {' and '.join(given)}; give one: loss(*outputs, *targets), "
+            f"task has {'both ' if len(given) == 2 else ''}{' and '.join(given)}; give one: "
+            "loss(*outputs, *targets), "
             "compute_loss(model, batch, *, rng, step) for a loss that calls the model, "
             "or update(state, batch, *, rng, step) for a step of your own."
         )

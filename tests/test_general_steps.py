@@ -125,7 +125,7 @@ def test_compute_loss_calls_the_model_twice_with_rng_and_step_as_written_by_hand
             clean, new = model.apply(
                 {"params": params, **new}, x, rngs=second, mutable=["batch_stats"]
             )
-            weight = step.astype(jnp.float32) / 10
+            weight = (step - 1).astype(jnp.float32) / 10  # the loss's step counts from 0
             return cross_entropy(noisy, y) + weight * jnp.mean((noisy - clean) ** 2), new
 
         (_, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -185,7 +185,7 @@ def test_a_ddpm_loss_equals_the_hand_written_step_bitwise():
     def step_fn(params, opt_state, batch, step):
         _, rng = step_keys(step)
         grads = jax.grad(lambda p: diffusion_loss(lambda *a: model.apply({"params": p}, *a),
-                                                  batch, rng=rng, step=step))(params)  # fmt: skip
+                                                  batch, rng=rng, step=step - 1))(params)  # fmt: skip
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -298,7 +298,7 @@ def hand_written_gan(n_steps):
 
         def d_loss(d):
             whole = {**params, "discriminator": d}
-            return discriminator_loss(bound(whole), images, rng=rng, step=step)[0]
+            return discriminator_loss(bound(whole), images, rng=rng, step=step - 1)[0]
 
         # the loop materializes each gradient (so its variants agree): so here
         d_value, grads = jax.value_and_grad(d_loss)(params["discriminator"])
@@ -308,7 +308,9 @@ def hand_written_gan(n_steps):
 
         def g_loss(g):  # against the discriminator just updated
             whole = {**params, "generator": g}
-            return generator_loss(bound(whole), images, rng=jax.random.fold_in(rng, 1), step=step)
+            return generator_loss(
+                bound(whole), images, rng=jax.random.fold_in(rng, 1), step=step - 1
+            )
 
         g_value, grads = jax.value_and_grad(g_loss)(params["generator"])
         grads = jax.lax.optimization_barrier(grads)

@@ -400,7 +400,7 @@ def test_an_unknown_optimizer_name_is_named():
 
 
 def test_an_update_given_with_a_loss_or_a_carry_without_one_is_refused():
-    with pytest.raises(ConfigError, match="task has loss and update"):
+    with pytest.raises(ConfigError, match="task has both loss and update"):
         TrainLoop(
             init=REGRESSOR.init,
             task=TrainTask(
@@ -418,3 +418,47 @@ def test_an_update_given_with_a_loss_or_a_carry_without_one_is_refused():
         )
     with pytest.raises(ConfigError, match="missing step"):
         loop_of(lambda state, batch, *, rng: None)
+
+
+# -- writes inside an NNX loss ------------------------------------------------
+
+
+def test_a_parameter_written_in_the_loss_is_named_and_a_variable_carries_over():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 1, rngs=rngs)
+            self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            self.calls[...] = self.calls[...] + 1
+            return self.linear(x)[:, 0]
+
+    def squared_error(model, batch, *, rng, step):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def nudges_the_bias(model, batch, *, rng, step):
+        model.linear.bias[...] = model.linear.bias[...] + 1.0
+        return squared_error(model, batch, rng=rng, step=step)
+
+    def loop(net, compute_loss):
+        return TrainLoop(
+            init=net,
+            task=TrainTask(
+                net, optax.sgd(0.1), data=ResumableBatches(X, Y, 32), compute_loss=compute_loss
+            ),
+            rnkey=jax.random.key(0),
+            n_steps=3,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+    net = Net(nnx.Rngs(0))
+    with pytest.raises(
+        ApplyError, match=r"assigned new values to trained parameters \(linear/bias\)"
+    ):
+        loop(net, nudges_the_bias)
+    last = list(loop(net, squared_error))[-1]
+    assert int(last.model_state["calls"]) == 3  # a non-parameter variable carries over

@@ -169,7 +169,9 @@ class Checkpoint(Saved):
 
     Arrays are global JAX arrays without a device axis: use them as they are
     (`model.apply({"params": checkpoint.model_params}, x)`). They are copies,
-    so they stay valid after the loop moves on.
+    so they stay valid after the loop moves on, and writing to them changes
+    nothing the loop trains: `TrainLoop.update_state` and
+    `TrainLoop.set_hyperparams` change the state the next step takes.
 
     >>> import jax
     >>> import optax

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from flax_loop import distributed
-from flax_loop.checkpoint import Checkpoint
+from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.errors import DataExhaustedError, StateLostError
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
 from flax_loop.run import memory
+from flax_loop.run.hand import changed_fields
 from flax_loop.run.interval import Intervals
 from flax_loop.run.preemption import PreemptionGuard, quiet_interrupt
 from flax_loop.run.profiling import ProfileSteps
@@ -116,6 +117,17 @@ class Runner:
         r"""The bytes each device holds while training (`flax_loop.run.memory.plan`)."""
         per_dispatch = self.plan.steps_per_dispatch
         return memory.plan_of(self.steps, self.feed, per_dispatch, self.placement)
+
+    def update_state(self, fn: Callable[[SavedState], Any]) -> None:
+        r"""The state the next step takes: `fn` of the saved record now
+        (`TrainLoop.update_state`)."""
+        if self.lost is not None:
+            raise StateLostError(self.lost)
+        shapes = self.steps.state_shapes.fields
+        arrays = self.steps.copier()(self.state)
+        saved = SavedState(None, None, None, step=self.step).with_arrays(arrays)
+        fields = changed_fields(saved, fn, shapes)
+        self.state = self.steps.with_fields(self.state, fields)
 
     @contextlib.contextmanager
     def training(self, last_step: int) -> Iterator[None]:

@@ -119,6 +119,7 @@ class CompiledSteps:
             grads_like=self.grads_like,
         )
         self._shorter: dict[Any, Callable[..., Any]] = {}
+        self._with_fields: Callable[..., Any] | None = None
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
         self._abstract = jax.tree.map(abstract, packed)
@@ -261,6 +262,24 @@ class CompiledSteps:
         if isinstance(self._copy, Compiling):
             self._copy = self._copy.result()
         return self._copy
+
+    def with_fields(self, state: Any, fields: dict[str, Any]) -> Any:
+        r"""`state` (as the steps take it: packed, or laid out) holding
+        `fields` (the step's fields, of the state's structure, shapes and
+        dtypes) instead of its own, its counters and sums kept; a program
+        compiled on first use (the steps are not compiled again)."""
+        packing, shapes = self.packing, self._unpacked
+        if packing is None:
+            shardings = jax.tree.map(lambda leaf: leaf.sharding, shapes.fields)
+            return state._replace(fields=jax.device_put(fields, shardings))
+        if self._with_fields is None:
+
+            def replaced(packed: Any, fields: dict[str, Any]) -> Any:
+                return packing.pack(packing.unpack(packed)._replace(fields=fields))
+
+            shardings = jax.tree.map(lambda leaf: leaf.sharding, self._abstract)
+            self._with_fields = jax.jit(replaced, out_shardings=shardings)
+        return self._with_fields(state, fields)
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""

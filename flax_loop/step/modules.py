@@ -154,7 +154,9 @@ class NNXModel:
         module = self.module(variables)
         if rngs:
             _reseed(module, rngs.get(DEFAULT_STREAM, next(iter(rngs.values()))))
-        return BoundNNX(module, rngs, self._takes_rngs, carries)
+        bound = BoundNNX(module, rngs, self._takes_rngs, carries)
+        bound.given = _param_leaves(module)
+        return bound
 
 
 class BoundNNX:
@@ -172,6 +174,15 @@ class BoundNNX:
     ) -> None:
         self.model = module
         self._rngs, self._takes_rngs, self._carries = rngs, takes_rngs, carries
+        self.given: dict[str, Any] = {}
+        r"""the parameters' values the module was given, by path."""
+
+    def written(self) -> list[str]:
+        r"""The paths of the parameters a call assigned a new value (`param.value
+        = ...` inside the loss): the step differentiates the values it gave
+        and would drop such a write."""
+        now = _param_leaves(self.model)
+        return [path for path, value in self.given.items() if now.get(path) is not value]
 
     def outputs(self, *inputs: Any) -> Any:
         r"""`module(*inputs)` (with `rngs=nnx.Rngs(...)` if it takes them)."""
@@ -252,3 +263,14 @@ def as_apply(model: Any, train: bool) -> Any:
     r"""A linen-style `apply`: the function itself, or an NNX module's call
     in training (`train=True`) or evaluation mode."""
     return NNXModel(model, train).apply if is_nnx(model) else model
+
+
+def _param_leaves(module: nnx.Module) -> dict[str, Any]:
+    r"""A module's parameter values by path (`"linear/kernel"`)."""
+    from flax import nnx
+
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return {
+        "/".join(map(str, path)): leaf.get_value() if hasattr(leaf, "get_value") else leaf
+        for path, leaf in flat
+    }

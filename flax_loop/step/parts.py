@@ -34,6 +34,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from flax_loop.data.batch import Batch
+from flax_loop.errors import ApplyError
 from flax_loop.random import loss_key, step_keys
 from flax_loop.step.core import Context, Fields, Outcome, Step
 from flax_loop.step.model import split_loss
@@ -107,7 +108,7 @@ class _Parts:
         r"""Part `index`'s loss on one device's batch, `(loss, (mutated, metrics))`."""
         objective, axis_name = self.objective, self.axis_name
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
-        number = context.step + 1  # keys (and the loss's `step`) count from 1
+        number = context.step + 1  # keys derive from the step counted from 1
         rngs = step_keys(context.key, number, device_index, objective.rng_labels)
         rng = loss_key(context.key, number, device_index)
         if index:  # a later part draws numbers of its own
@@ -115,7 +116,9 @@ class _Parts:
             rng = jax.random.fold_in(rng, index)
         part, partition = objective.parts[index], self.partitions[index]
         bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
-        result = objective.call_loss(part, bound, batch, rng, number, context.frozen)
+        # the loss's `step`: the updates done before this one (0 first)
+        result = objective.call_loss(part, bound, batch, rng, context.step, context.frozen)
+        _refuse_written(bound)
         loss_value, metrics = split_loss(result, axis_name is not None)
         return loss_value, (bound.collected(), metrics)
 
@@ -204,3 +207,18 @@ class _Parts:
         }
         grads = objective.by_part(all_grads)
         return fields, Outcome(loss_value, metrics, grads, jnp.isfinite(loss_value))
+
+
+def _refuse_written(bound: Any) -> None:
+    r"""An `ApplyError` (while tracing) naming the parameters the loss
+    assigned: the step applies the optimizer to the values it gave the
+    model, so the assignment would be lost."""
+    written: list[str] = getattr(bound, "written", list)()
+    if written:
+        raise ApplyError(
+            f"The loss assigned new values to trained parameters ({', '.join(written[:5])}"
+            f"{', ...' if len(written) > 5 else ''}); the step differentiates and updates "
+            "the parameters it gave the model, so the assignment would be dropped. Keep "
+            "a value the step changes in TrainTask(carry=...) with update=..., or in a "
+            "non-parameter nnx.Variable (its changes carry over from step to step)."
+        )

@@ -1,0 +1,114 @@
+r"""The caller's hand on the state between checkpoints: `update_state` and
+`set_hyperparams`.
+
+Between two checkpoints the caller may change what the loop carries: the
+saved record (`SavedState`) comes out, a function changes it, and the
+same structure, dtypes and shapes go back in before the next step, without
+compiling the step again. `set_hyperparams` is one such change: the values
+an `optax.inject_hyperparams` optimizer reads at its next update.
+
+>>> import jax.numpy as jnp, optax
+>>> state = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1).init({"w": jnp.ones(2)})
+>>> halved = with_hyperparams(state, {"learning_rate": 0.05}, "task.optimizer")
+>>> float(halved.hyperparams["learning_rate"])
+0.05
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from flax_loop.checkpoint import SavedState
+from flax_loop.errors import ConfigError
+from flax_loop.parallel import key_names
+
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def changed_fields(
+    saved: SavedState, fn: Callable[[SavedState], Any], shapes: dict[str, Any]
+) -> dict[str, Any]:
+    r"""The array fields of `fn(saved)`, checked against `shapes` (the
+    state's fields: same structure, dtypes and shapes).
+
+    Raises:
+        ConfigError: naming what `fn` returned, or the first value whose
+            structure, dtype or shape differs.
+    """
+    new = fn(saved)
+    if not isinstance(new, SavedState):
+        raise ConfigError(
+            f"update_state's function must return the saved state it was given, "
+            f"changed (saved.map_arrays(...), dataclasses.replace(saved, ...)); got "
+            f"{type(new).__name__}."
+        )
+    arrays = {name: tree for name, tree in new.arrays().items() if name in shapes}
+    if sorted(arrays) != sorted(shapes):
+        raise ConfigError(
+            f"update_state's function returned the fields {sorted(arrays)}; the state "
+            f"has {sorted(shapes)}."
+        )
+    for name, tree in arrays.items():
+        if jax.tree.structure(tree) != jax.tree.structure(shapes[name]):  # type: ignore[operator]
+            raise ConfigError(
+                f"update_state's function changed the structure of {name}: "
+                f"{jax.tree.structure(shapes[name])} became {jax.tree.structure(tree)}."
+            )
+        for (path, want), have in zip(
+            jax.tree_util.tree_flatten_with_path(shapes[name])[0], jax.tree.leaves(tree)
+        ):
+            if np.shape(have) != want.shape or _dtype(have) != want.dtype:
+                where = "/".join((name, *key_names(path)))
+                raise ConfigError(
+                    f"update_state's function changed {where} from {want.dtype}"
+                    f"{list(want.shape)} to {_dtype(have)}{list(np.shape(have))}; "
+                    "a value keeps its dtype and shape (cast it: value.astype(old.dtype))."
+                )
+    return arrays
+
+
+def with_hyperparams(optimizer_state: Any, values: Mapping[str, Any], where: str) -> Any:
+    r"""`optimizer_state` with the injected hyperparameters `values`, each
+    in the dtype it had.
+
+    Raises:
+        ConfigError: if the state holds no `optax.inject_hyperparams` state,
+            or none with one of the names.
+    """
+    found: set[str] = set()
+    known: set[str] = set()
+
+    def replaced(node: Any) -> Any:
+        if not isinstance(node, _INJECTED):
+            return node
+        known.update(node.hyperparams)
+        hyperparams = dict(node.hyperparams)
+        for name, value in values.items():
+            if name in hyperparams:
+                old = hyperparams[name]
+                hyperparams[name] = np.asarray(value, dtype=_dtype(old))
+                found.add(name)
+        return node._replace(hyperparams=hyperparams)
+
+    new = jax.tree.map(replaced, optimizer_state, is_leaf=lambda node: isinstance(node, _INJECTED))
+    if not known:
+        raise ConfigError(
+            f"set_hyperparams: {where} keeps no injected hyperparameters; build it "
+            "with optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)("
+            "learning_rate=1e-3)."
+        )
+    unknown = sorted(set(values) - found)
+    if unknown:
+        raise ConfigError(
+            f"set_hyperparams: {where} has no injected hyperparameter {unknown}; it has "
+            f"{sorted(known)}."
+        )
+    return new
+
+
+def _dtype(value: Any) -> np.dtype:
+    dtype = getattr(value, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.result_type(value)

@@ -1,0 +1,109 @@
+"""The caller's hand between checkpoints: `loop.update_state(fn)` and
+`loop.set_hyperparams(...)` change what the next step takes, without
+compiling the step again, and the next checkpoint holds it."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import CheckpointFileReader, CheckpointFileWriter
+from flax_loop.errors import ConfigError
+from flax_loop.random import init_key, into_collection
+from tests.helpers import MLP, ResumableBatches, cross_entropy, digits_loop, digits_split
+
+X, Y, _, _ = digits_split()
+MODEL = MLP(features=(32,))
+
+
+def sgd_loop(optimizer, **options):
+    return digits_loop(
+        MODEL,
+        optimizer,
+        ResumableBatches(X, Y, 32),
+        n_devices=1,
+        n_steps=8,
+        n_steps_per_checkpoint=4,
+        **options,
+    )
+
+
+def by_hand(rates):
+    """Plain SGD on the same batches, one learning rate per step."""
+    params = MODEL.init(into_collection(init_key(jax.random.key(0)), ["params"]), X[:32])["params"]
+    data = ResumableBatches(X, Y, 32)
+
+    @jax.jit
+    def step(params, x, y, rate):
+        grads = jax.grad(lambda p: cross_entropy(MODEL.apply({"params": p}, x), y))(params)
+        return jax.tree.map(lambda p, g: p - rate * g, params, grads)
+
+    for rate in rates:
+        params = step(params, *next(data), np.float32(rate))
+    return params
+
+
+def test_set_hyperparams_halves_the_learning_rate_from_the_next_step(tmp_path):
+    loop = sgd_loop(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    first = loop.next_checkpoint()
+    programs = dict(loop.compiled.programs)
+    loop.set_hyperparams(learning_rate=0.05)
+    second = loop.next_checkpoint()
+    assert first.train_metrics["learning_rate"] == pytest.approx(0.1)
+    assert second.train_metrics["learning_rate"] == pytest.approx(0.05)
+    assert all(loop.compiled.programs[name] is program for name, program in programs.items())
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        second.model_params,
+        by_hand([0.1] * 4 + [0.05] * 4),
+    )
+    CheckpointFileWriter(output_dir=str(tmp_path))(second)  # the file holds the new rate
+    file = CheckpointFileReader(dir=str(tmp_path), target=MODEL.init).read_newest()
+    assert float(file.optimizer_state["hyperparams"]["learning_rate"]) == pytest.approx(0.05)
+
+
+def test_update_state_changes_what_the_next_step_takes():
+    loop = sgd_loop(optax.sgd(0.1))
+    loop.next_checkpoint()
+    zeroed = {}
+
+    def zero_the_last_layer(saved):
+        params = dict(saved.model_params)
+        params["Dense_1"] = jax.tree.map(np.zeros_like, params["Dense_1"])
+        zeroed.update(params)
+        return saved.map_arrays(lambda arrays: {**arrays, "model_params": params})
+
+    loop.update_state(zero_the_last_layer)
+    second = loop.next_checkpoint()
+    assert second.step == 8
+    # four SGD steps from zeros: small, and the zeros did not survive by accident
+    kernel = np.asarray(second.model_params["Dense_1"]["kernel"])
+    assert 0 < np.abs(kernel).max() < 0.5
+
+
+def test_bad_hands_are_named():
+    loop = sgd_loop(optax.sgd(0.1))
+    loop.next_checkpoint()
+
+    def widens(saved):
+        return saved.map_arrays(
+            lambda arrays: {
+                **arrays,
+                "model_params": jax.tree.map(
+                    lambda a: np.asarray(a, np.float64), arrays["model_params"]
+                ),
+            }
+        )
+
+    with pytest.raises(ConfigError, match=r"changed model_params/Dense_0/bias from float32\[32\]"):
+        loop.update_state(widens)
+    with pytest.raises(ConfigError, match="must return the saved state"):
+        loop.update_state(lambda saved: saved.model_params)
+    with pytest.raises(ConfigError, match="keeps no injected hyperparameters"):
+        loop.set_hyperparams(learning_rate=0.01)
+    with pytest.raises(ConfigError, match="one optimizer: leave name out"):
+        loop.set_hyperparams(name="critic", learning_rate=0.01)
+    injected = sgd_loop(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    with pytest.raises(ConfigError, match=r"no injected hyperparameter \['lr'\]"):
+        injected.set_hyperparams(lr=0.01)
+    assert loop.next_checkpoint().step == 8  # the loop goes on after each refusal
