@@ -193,6 +193,7 @@ class TrainLoop:
                 prefetch=prefetch,
             )
             self.profile = options.profile  # the window of steps traced (`traced_steps`)
+            self._iterator: Iterator[Checkpoint] | None = None
             optimizer = getattr(task, "optimizer", None)
             self._optimizer_names = list(optimizer) if isinstance(optimizer, Mapping) else [None]
             self._runner = assemble(
@@ -281,7 +282,15 @@ class TrainLoop:
 
     def __next__(self) -> Checkpoint:
         self._check_n_steps()
-        return next(self._runner.run(target=None))
+        # one generator across calls, as `for` holds one: its scope (signal
+        # handlers, the reading thread) is closed once, when it ends
+        if self._iterator is None:
+            self._iterator = self._runner.run(target=None)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = None  # a raised n_steps starts a new one
+            raise
 
     def update_state(self, fn: Callable[[SavedState], SavedState]) -> None:
         r"""Changes the state the next step takes: `fn(saved)` of the saved

@@ -257,6 +257,14 @@ def check_train_task(task: Any) -> TrainTask:
             )
     keyed = isinstance(task.optimizer, Mapping)
     names = list(optimizers)
+    if keyed and not isinstance(getattr(task, "trainable", None), Mapping):
+        # each optimizer would otherwise train (and keep moments for) every parameter
+        raise ConfigError(
+            f"task.optimizer is a dict of optimizers {names}: say which parameters each "
+            f"trains with task.trainable, a dict of the same names, such as "
+            f"{{{', '.join(f'{name!r}: {name!r}' for name in names)}}} (a key name, an "
+            f"NNX filter or fn(path, leaf)); got trainable={getattr(task, 'trainable', None)!r}."
+        )
     for field in ("compute_loss", "trainable"):
         value = getattr(task, field, None)
         if not isinstance(value, Mapping):

@@ -127,6 +127,7 @@ class _BestCheckpointFileWriter(KeepsBest, CheckpointFileWriter):  # type: ignor
         overwrite: bool | None = None,
         *,
         background: bool = False,
+        save_frozen: bool = True,
     ) -> None:
         check_best_arguments(type(self).__name__, metric, group, output_dir)
         super().__init__(
@@ -134,6 +135,7 @@ class _BestCheckpointFileWriter(KeepsBest, CheckpointFileWriter):  # type: ignor
             keep=keep,
             overwrite=overwrite,
             background=background,
+            save_frozen=save_frozen,
         )
         self.metric, self.group = metric, group
         stored = self._reader_type(

@@ -52,9 +52,7 @@ from flax_loop.checkpoint._orbax_store import (
     read_orbax_step,
 )
 from flax_loop.checkpoint._writer import EXIT_CODE_WRITE_FAILED, check_writer_options, to_file
-from flax_loop.errors import (
-    CheckpointError,
-)
+from flax_loop.errors import CheckpointError, ConfigError
 from flax_loop.log import is_main_process, log
 
 ORBAX_LOCK = "orbax."
@@ -91,8 +89,20 @@ class OrbaxCheckpointWriter:
     background: bool = field(default=True, kw_only=True)
     r"""whether writes run in the background (Orbax's asynchronous save)."""
 
+    save_frozen: bool = field(default=True, kw_only=True)
+    r"""whether checkpoints hold the parameters no optimizer trains: Orbax
+    checkpoints hold every parameter (`True`); `CheckpointFileWriter(
+    save_frozen=False)` writes files without them."""
+
     def __post_init__(self) -> None:
         self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
+        if self.save_frozen is not True:
+            raise ConfigError(
+                f"{type(self).__name__}(save_frozen={self.save_frozen!r}): Orbax checkpoints "
+                "hold every parameter, the frozen ones too. Write files without them with "
+                "CheckpointFileWriter(save_frozen=False) (or LowestCheckpointFileWriter/"
+                "HighestCheckpointFileWriter(..., save_frozen=False))."
+            )
         self._manager: Any = None
         self._lock: DirectoryLock | None = None
 
@@ -271,6 +281,7 @@ class _BestOrbaxCheckpointWriter(KeepsBest, OrbaxCheckpointWriter):  # type: ign
         overwrite: bool | None = None,
         *,
         background: bool = True,
+        save_frozen: bool = True,
     ) -> None:
         check_best_arguments(type(self).__name__, metric, group, output_dir)
         super().__init__(
@@ -278,6 +289,7 @@ class _BestOrbaxCheckpointWriter(KeepsBest, OrbaxCheckpointWriter):  # type: ign
             keep=keep,
             overwrite=overwrite,
             background=background,
+            save_frozen=save_frozen,
         )
         self.metric, self.group = metric, group
         steps = OrbaxCheckpointReader(dir=self.output_dir, target=None).steps()

@@ -10,8 +10,8 @@ an `optax.inject_hyperparams` optimizer reads at its next update.
 >>> import jax.numpy as jnp, optax
 >>> state = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1).init({"w": jnp.ones(2)})
 >>> halved = with_hyperparams(state, {"learning_rate": 0.05}, "task.optimizer")
->>> float(halved.hyperparams["learning_rate"])
-0.05
+>>> halved.hyperparams["learning_rate"].dtype, round(float(halved.hyperparams["learning_rate"]), 6)
+(dtype('float32'), 0.05)
 """
 
 from collections.abc import Callable, Mapping

@@ -78,10 +78,14 @@ class PreemptionGuard:
             self._previous[number] = signal.signal(number, self._handle)
 
     def uninstall(self) -> None:
-        r"""Restores the handlers that were there before `install`."""
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
-        self._previous = {}
+        r"""Restores the handlers that were there before `install` (nothing
+        at interpreter exit, when a loop's iterator held to the end is
+        finalized: the process is ending, and the signal module may be gone)."""
+        previous, self._previous = self._previous, {}
+        if sys.is_finalizing() or not callable(getattr(signal, "signal", None)):
+            return
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
     def clear(self) -> None:
         r"""Forgets a stop request (once the loop has stopped for it, or an
