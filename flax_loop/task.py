@@ -257,14 +257,6 @@ def check_train_task(task: Any) -> TrainTask:
             )
     keyed = isinstance(task.optimizer, Mapping)
     names = list(optimizers)
-    if keyed and not isinstance(getattr(task, "trainable", None), Mapping):
-        # each optimizer would otherwise train (and keep moments for) every parameter
-        raise ConfigError(
-            f"task.optimizer is a dict of optimizers {names}: say which parameters each "
-            f"trains with task.trainable, a dict of the same names, such as "
-            f"{{{', '.join(f'{name!r}: {name!r}' for name in names)}}} (a key name, an "
-            f"NNX filter or fn(path, leaf)); got trainable={getattr(task, 'trainable', None)!r}."
-        )
     for field in ("compute_loss", "trainable"):
         value = getattr(task, field, None)
         if not isinstance(value, Mapping):
@@ -279,6 +271,14 @@ def check_train_task(task: Any) -> TrainTask:
                 f"task.{field} names {list(value)} but task.optimizer names {names}: "
                 "give both the same names, in the order each step runs them."
             )
+    if keyed and not isinstance(getattr(task, "trainable", None), Mapping):
+        # each optimizer would otherwise train (and keep moments for) every parameter
+        raise ConfigError(
+            f"task.optimizer is a dict of optimizers {names}: say which parameters each "
+            f"trains with task.trainable, a dict of the same names, such as "
+            f"{{{', '.join(f'{name!r}: {name!r}' for name in names)}}} (a key name, an "
+            f"NNX filter or fn(path, leaf)); got trainable={getattr(task, 'trainable', None)!r}."
+        )
     transforms = getattr(task, "transforms", ())
     if not isinstance(transforms, Sequence) or not all(map(callable, transforms)):
         raise ConfigError(

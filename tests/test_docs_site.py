@@ -50,7 +50,7 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
         f"{name}.html"
         for name in (
             "getting_started", "iterator", "models", "data", "checkpoints", "logging", "recipes",
-            "beyond_supervised", "devices", "interruptions", "speed", "time_and_memory",
+            "beyond_supervised", "own_step", "devices", "interruptions", "speed", "time_and_memory",
             "migrating",
         )
     )  # fmt: skip
