@@ -98,7 +98,9 @@ class TrainTask:
     `{"teacher": module}`. They live on the devices beside the state, never
     change and are not saved in checkpoints. `compute_loss` gets them as its
     keyword argument `frozen`: NNX modules in evaluation mode, anything else
-    (a linen model's variables) as given."""
+    (a linen model's variables) as given. They are taken when the
+    `TrainLoop` is made: changing a module afterwards changes nothing the
+    loop computes (a new `TrainLoop` takes the change)."""
 
     transforms: Sequence[Transform] = ()
     r"""transforms of the task's step, applied in order after the task's

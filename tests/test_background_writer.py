@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter
-from flax_loop.checkpoint import _format
+from flax_loop.checkpoint import format
 from flax_loop.errors import CheckpointError
 from tests.flags import xla_flags
 from tests.helpers import ROOT, directory_bytes, file_names, train
@@ -33,7 +33,7 @@ def test_background_files_equal_foreground_files(tmp_path, checkpoints):
 
 
 def test_the_next_write_waits_for_the_previous_one(tmp_path, checkpoints, monkeypatch):
-    save, order, running = _format.save, [], threading.Event()
+    save, order, running = format.save, [], threading.Event()
 
     def slow_save(directory, prefix, file, fsync=True):
         assert not running.is_set(), "two writes overlapped"
@@ -45,7 +45,7 @@ def test_the_next_write_waits_for_the_previous_one(tmp_path, checkpoints, monkey
         finally:
             running.clear()
 
-    monkeypatch.setattr(_format, "save", slow_save)
+    monkeypatch.setattr(format, "save", slow_save)
     writer = CheckpointFileWriter(output_dir=str(tmp_path), keep=3, background=True)
     started = time.perf_counter()
     writer(checkpoints[0])
@@ -67,7 +67,7 @@ def test_a_failed_background_write_raises_at_the_next_write_and_at_wait(
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("flax_loop.checkpoint._format.write", full_disk)
+    monkeypatch.setattr("flax_loop.checkpoint.format.write", full_disk)
     writer(checkpoints[1])  # accepted; fails on the worker thread
     with pytest.raises(CheckpointError, match="No space left on device"):
         writer(checkpoints[2])
@@ -88,14 +88,14 @@ def test_pending_writes_finish_at_interpreter_exit(tmp_path):
         sys.path.insert(0, {ROOT!r})
         import jax, optax
         from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask
-        from flax_loop.checkpoint import _format
+        from flax_loop.checkpoint import format
         from tests.helpers import MLP, batches, cross_entropy, digits_split
 
-        save = _format.save
+        save = format.save
         def slow_save(*args, **kwargs):
             time.sleep(1.0)
             return save(*args, **kwargs)
-        _format.save = slow_save
+        format.save = slow_save
 
         x, y, _, _ = digits_split()
         model = MLP()

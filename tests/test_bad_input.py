@@ -25,7 +25,7 @@ from flax_loop import (
     TrainLoop,
     TrainTask,
 )
-from flax_loop.checkpoint import _format
+from flax_loop.checkpoint import format
 from flax_loop.errors import (
     ApplyError,
     BatchError,
@@ -100,13 +100,13 @@ def damage(directory, how):
         if how == "truncate":
             handle.truncate(os.path.getsize(path) - 100)
         elif how == "flip":
-            handle.seek(_format._HEAD.size + 77)
+            handle.seek(format.HEAD.size + 77)
             byte = handle.read(1)
             handle.seek(-1, 1)
             handle.write(bytes([byte[0] ^ 1]))
         elif how == "version":
             handle.seek(8)
-            handle.write((_format.FORMAT_VERSION + 1).to_bytes(4, "little"))
+            handle.write((format.FORMAT_VERSION + 1).to_bytes(4, "little"))
 
 
 def into_file(directory):

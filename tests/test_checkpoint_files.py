@@ -17,7 +17,7 @@ from flax_loop import (
     LowestCheckpointFileWriter,
     Summary,
 )
-from flax_loop.checkpoint import _format, _parse
+from flax_loop.checkpoint import format, parse
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -105,11 +105,11 @@ def _truncate(path):
 
 
 def _flip_array_byte(path):
-    _, meta = _parse.read(path)
+    _, meta = parse.read(path)
     with open(path, "rb") as stream:
         data = bytearray(stream.read())
     # Flip a byte in the middle of the data region (inside an array).
-    data[_format._HEAD.size + 1000] ^= 0x40
+    data[format.HEAD.size + 1000] ^= 0x40
     with open(path, "wb") as stream:
         stream.write(data)
 
@@ -165,7 +165,7 @@ def test_newer_format_version_is_a_clear_error(tmp_path):
     path = tmp_path / "regular.15.ckpt"
     with open(path, "r+b") as stream:
         stream.seek(8)
-        stream.write((_format.FORMAT_VERSION + 1).to_bytes(4, "little"))
+        stream.write((format.FORMAT_VERSION + 1).to_bytes(4, "little"))
     with pytest.raises(CheckpointVersionError, match="format version 2"):
         CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
 

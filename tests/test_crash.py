@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from flax_loop.checkpoint import _parse
-from flax_loop.checkpoint._names import TEMPORARY_PREFIX
+from flax_loop.checkpoint import parse
+from flax_loop.checkpoint.format import TEMPORARY_PREFIX
 from tests.helpers import (
     SLOW,
     assert_same_arrays,
@@ -43,7 +43,7 @@ def check_directory(directory):
     assert len(names) <= KEEP + 1, names
     for name in names:
         if not name.startswith(TEMPORARY_PREFIX):
-            _parse.read(os.path.join(directory, name))  # raises if damaged
+            parse.read(os.path.join(directory, name))  # raises if damaged
     return sum(name.startswith(TEMPORARY_PREFIX) for name in names)
 
 
@@ -100,7 +100,7 @@ def checkpoint():
     [
         ("os.replace", RuntimeError("interrupted between write and rename")),
         ("os.fsync", OSError(28, "No space left on device")),
-        ("flax_loop.checkpoint._format.write", OSError(28, "No space left on device")),
+        ("flax_loop.checkpoint.format.write", OSError(28, "No space left on device")),
     ],
     ids=["exception-before-rename", "fsync-disk-full", "write-disk-full"],
 )

@@ -17,7 +17,7 @@ from flax import nnx
 from rich.console import Console
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
-from flax_loop.checkpoint._frozen import digest, flatten
+from flax_loop.checkpoint import digest, flatten
 from flax_loop.errors import CheckpointMismatchError
 from flax_loop.output import cli
 from tests.helpers import cross_entropy
@@ -110,7 +110,7 @@ class Tower(nn.Module):
         return nn.Dense(10, name="head")(x)
 
 
-def tower_loop(n_steps, init=None, data=None, rnkey=SEED):
+def tower_loop(n_steps, init=None, data=None, rnkey=SEED, trainable="head"):
     model = Tower()
     return TrainLoop(
         init=init or model.init,
@@ -119,7 +119,7 @@ def tower_loop(n_steps, init=None, data=None, rnkey=SEED):
             optax.adam(1e-2),
             cross_entropy,
             stream("pair") if data is None else data,
-            trainable="head",  # a pretrained backbone stays as it is
+            trainable=trainable,  # by default a pretrained backbone stays as it is
         ),
         rnkey=jax.random.key(rnkey),
         n_steps=n_steps,
@@ -147,6 +147,9 @@ def test_linen_frozen_by_a_path_filter_resumes_bitwise_and_checks_its_key(tmp_pa
     # another rnkey initializes another backbone: refused, not mixed
     with pytest.raises(CheckpointMismatchError, match="left out 2 frozen parameters"):
         tower_loop(10, init=reader, data=positioned(5), rnkey=SEED + 1)
+    # the same intact file under another trainable filter: said so, not "damaged"
+    with pytest.raises(CheckpointMismatchError, match="written with another trainable filter"):
+        tower_loop(10, init=reader, data=positioned(5), trainable=None)
 
 
 def test_without_frozen_parameters_the_file_holds_them_all(tmp_path):

@@ -29,7 +29,7 @@ from flax_loop import (
     TrainTask,
     set_console,
 )
-from flax_loop.checkpoint import _format, _parse
+from flax_loop.checkpoint import format, parse
 from flax_loop.errors import CheckpointError
 from tests.helpers import MLP, SLOW, batches, cross_entropy, digits_split
 
@@ -110,10 +110,10 @@ def read(directory, data, initializer, step=2):
 
 def parts(data):
     """The arrays (bytes) and the footer (a dict) of a valid file."""
-    footer_size, _, _ = _format._TAIL.unpack(data[-_format._TAIL.size :])
-    data_end = len(data) - _format._TAIL.size - footer_size
+    footer_size, _, _ = format.TAIL.unpack(data[-format.TAIL.size :])
+    data_end = len(data) - format.TAIL.size - footer_size
     footer = msgpack.unpackb(data[data_end : data_end + footer_size], raw=False)
-    return data[_format._HEAD.size : data_end], footer
+    return data[format.HEAD.size : data_end], footer
 
 
 @fuzz(500)
@@ -253,10 +253,10 @@ def rebuild(arrays_blob, footer):
     """A file with a valid frame and checksum around any footer."""
     packed = msgpack.packb(footer, use_bin_type=True)
     return (
-        _format._HEAD.pack(_format.MAGIC, _format.FORMAT_VERSION)
+        format.HEAD.pack(format.MAGIC, format.FORMAT_VERSION)
         + arrays_blob
         + packed
-        + _format._TAIL.pack(len(packed), zlib.crc32(packed), _format.END_MAGIC)
+        + format.TAIL.pack(len(packed), zlib.crc32(packed), format.END_MAGIC)
     )
 
 
@@ -299,8 +299,8 @@ entries = st.fixed_dictionaries(
 )
 def test_structured_footers_with_valid_checksums(place, valid, arrays, tree, step, extra):
     footer = {
-        "format": _format.FORMAT_NAME,
-        "version": _format.FORMAT_VERSION,
+        "format": format.FORMAT_NAME,
+        "version": format.FORMAT_VERSION,
         "arrays": arrays,
         "tree": tree,
         "step": step,
@@ -317,7 +317,7 @@ def test_length_fields_larger_than_the_file_allocate_nothing(place, valid):
     ref = msgpack.ExtType(1, struct.pack("<I", 0))
     footers = [
         {
-            "format": _format.FORMAT_NAME,
+            "format": format.FORMAT_NAME,
             "version": 1,
             "arrays": [entry],
             "tree": {"model_params": ref},
@@ -328,9 +328,9 @@ def test_length_fields_larger_than_the_file_allocate_nothing(place, valid):
     # A msgpack array header that claims 2**31 elements in a few bytes.
     bogus_footer = b"\xdd\x80\x00\x00\x00"
     bogus = (
-        _format._HEAD.pack(_format.MAGIC, 1)
+        format.HEAD.pack(format.MAGIC, 1)
         + bogus_footer
-        + _format._TAIL.pack(len(bogus_footer), zlib.crc32(bogus_footer), _format.END_MAGIC)
+        + format.TAIL.pack(len(bogus_footer), zlib.crc32(bogus_footer), format.END_MAGIC)
     )
     tracemalloc.start()
     try:
@@ -339,7 +339,7 @@ def test_length_fields_larger_than_the_file_allocate_nothing(place, valid):
                 path = os.path.join(place, "regular.1.ckpt")
                 with open(path, "wb") as handle:
                     handle.write(data)
-                _parse.read(path)
+                parse.read(path)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -54,3 +54,138 @@ def test_every_writer_takes_save_frozen(tmp_path):
         extra = {} if kind is OrbaxCheckpointWriter else {"metric": "loss", "stdout": False}
         with pytest.raises(ConfigError, match=r"save_frozen=False\): Orbax checkpoints hold"):
             kind(output_dir=str(tmp_path / "orbax"), save_frozen=False, **extra)
+
+
+def test_sharding_annotations_written_as_jax_tutorials_write_them():
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(
+                64, 16, kernel_init=nnx.with_partitioning(init, NamedSharding(mesh, P(None, "model"))),
+                rngs=rngs,
+            )  # fmt: skip
+            self.down = nnx.Linear(
+                16, 10, kernel_init=nnx.with_partitioning(init, P("model", None)), rngs=rngs
+            )
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    net = Net(nnx.Rngs(0))
+    data = [(np.ones((8, 64), np.float32), np.arange(8) % 10)] * 2
+    loop = TrainLoop(
+        init=net,
+        task=TrainTask(net, optax.sgd(0.1), cross_entropy, data),
+        rnkey=jax.random.key(0),
+        n_steps=1,
+        mesh=mesh,
+        stdout=False,
+    )
+    checkpoint = loop.next_checkpoint()
+    assert checkpoint.model_params["up"]["kernel"].sharding.spec == P(None, "model")
+    assert checkpoint.model_params["down"]["kernel"].sharding.spec == P("model", None)
+
+
+def test_python_control_flow_on_a_traced_value_is_named():
+    from flax_loop.errors import LossError
+
+    model = MLP(features=(8,))
+    data = {"x": np.ones((8, 64), np.float32), "y": np.arange(8) % 10}
+
+    def warmed_up(model, batch, *, rng, step):
+        loss = cross_entropy(model(batch["x"]), batch["y"])
+        if step > 2:  # a traced value: use jnp.where
+            loss = loss * 2
+        return loss
+
+    task = TrainTask(model.apply, optax.sgd(0.1), data=[data] * 2, compute_loss=warmed_up)
+    with pytest.raises(LossError, match=r"Python control flow cannot depend.*jnp.where"):
+        TrainLoop(
+            init=model.init,
+            task=task,
+            rnkey=jax.random.key(0),
+            n_steps=1,
+            input_sample=np.ones((1, 64), np.float32),
+            stdout=False,
+        )
+
+
+def test_a_frozen_teacher_is_taken_when_the_loop_is_made():
+    from flax import nnx
+
+    def distilled(model, batch, *, rng, step, frozen):
+        x, y = batch
+        soft = jax.nn.softmax(frozen["teacher"](x))
+        return -(soft * jax.nn.log_softmax(model(x))).sum(-1).mean()
+
+    def run(change_between):
+        teacher, student = (
+            nnx.Linear(64, 10, rngs=nnx.Rngs(1)),
+            nnx.Linear(64, 10, rngs=nnx.Rngs(2)),
+        )
+        data = [
+            (np.random.default_rng(i).normal(size=(8, 64)).astype(np.float32), np.arange(8))
+            for i in range(4)
+        ]
+        loop = TrainLoop(
+            init=student,
+            task=TrainTask(
+                student,
+                optax.sgd(0.1),
+                data=data,
+                compute_loss=distilled,
+                frozen={"teacher": teacher},
+            ),
+            rnkey=jax.random.key(0),
+            n_steps=4,
+            n_steps_per_checkpoint=2,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+        loop.next_checkpoint()
+        if change_between:
+            teacher.kernel[...] = jnp.zeros_like(teacher.kernel[...])
+        return loop.next_checkpoint()
+
+    import jax.numpy as jnp
+
+    changed, unchanged = run(True), run(False)
+    jax.tree.map(np.testing.assert_array_equal, changed.model_params, unchanged.model_params)
+
+
+def test_a_lora_model_trained_whole_is_said_at_set_up():
+    import io
+
+    from flax import nnx
+    from rich.console import Console
+
+    from flax_loop import set_console
+
+    class LoRANet(nnx.Module):
+        def __init__(self, rngs):
+            self.out = nnx.LoRALinear(64, 10, lora_rank=2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(x)
+
+    data = [(np.ones((8, 64), np.float32), np.arange(8) % 10)] * 2
+    shown = io.StringIO()
+    set_console(Console(file=shown, width=300))
+    for trainable in (None, nnx.LoRAParam):
+        model = LoRANet(nnx.Rngs(0))
+        TrainLoop(
+            init=model,
+            task=TrainTask(model, optax.sgd(0.1), cross_entropy, data, trainable=trainable),
+            rnkey=jax.random.key(0),
+            n_steps=1,
+            devices=jax.devices()[:1],
+        )
+    said = shown.getvalue()
+    assert said.count("nnx.LoRAParam") == 1  # the run that trains the base too, alone
+    assert "holds 148 LoRA parameters (nnx.LoRAParam) and every one of its 798" in said

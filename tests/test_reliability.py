@@ -14,7 +14,7 @@ from flax_loop import (
     CheckpointFileReader,
     CheckpointFileWriter,
 )
-from flax_loop.checkpoint import _lock, _parse
+from flax_loop.checkpoint import lock, parse
 from flax_loop.errors import CheckpointError
 from tests.helpers import (
     MLP,
@@ -60,7 +60,7 @@ def test_a_background_write_records_the_data_position_of_its_step(tmp_path):
             writer(checkpoint)
             assert checkpoint.data_state == {"position": checkpoint.step}
     for step in (5, 10, 15, 20):
-        _, meta = _parse.read(str(tmp_path / f"regular.{step}.ckpt"))
+        _, meta = parse.read(str(tmp_path / f"regular.{step}.ckpt"))
         assert meta["data_state"] == {"position": step}, step
 
 
@@ -100,14 +100,14 @@ def test_a_new_background_writer_per_checkpoint_loses_nothing(tmp_path):
         CheckpointFileWriter(output_dir=str(tmp_path), keep=12, background=True)(checkpoint)
     # Each writer lets go of the directory once its write is done: taking it
     # waits for the last one.
-    lock = _lock.DirectoryLock(str(tmp_path), "regular.")
-    lock.acquire()
-    lock.release()
+    held = lock.DirectoryLock(str(tmp_path), "regular.")
+    held.acquire()
+    held.release()
     assert file_names(tmp_path) == sorted(f"regular.{step}.ckpt" for step in range(5, 65, 5))
 
 
 def test_a_second_writer_of_the_same_files_is_refused_naming_the_holder(tmp_path, monkeypatch):
-    monkeypatch.setattr(_lock, "WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(lock, "WAIT_SECONDS", 0.2)
     checkpoint = digits_loop(n_steps=2).next_checkpoint()
     first = CheckpointFileWriter(output_dir=str(tmp_path))
     first(checkpoint)
@@ -126,14 +126,14 @@ def test_a_background_write_that_fails_at_exit_exits_non_zero(tmp_path):
     program = textwrap.dedent(
         f"""
         import errno, jax
-        from flax_loop.checkpoint import _format
+        from flax_loop.checkpoint import format
         from tests.helpers import digits_loop
         from flax_loop import CheckpointFileWriter
 
         checkpoint = digits_loop(n_steps=2, devices=jax.devices()[:1]).next_checkpoint()
         def full_disk(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        _format.save = full_disk
+        format.save = full_disk
         CheckpointFileWriter(output_dir={str(tmp_path)!r}, background=True)(checkpoint)
         # The writer is gone (made for one call) once its write has failed.
         import gc, time

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter, Summary, SummaryLogger
-from flax_loop.checkpoint import _format, _lock, _parse, list_checkpoints
+from flax_loop.checkpoint import format, list_checkpoints, lock, parse
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.log import set_console
 from flax_loop.output import cli
@@ -251,7 +251,7 @@ def test_a_second_orbax_writer_of_one_directory_is_refused(tmp_path, monkeypatch
     pytest.importorskip("orbax.checkpoint")
     from flax_loop import OrbaxCheckpointWriter
 
-    monkeypatch.setattr(_lock, "WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(lock, "WAIT_SECONDS", 0.2)
     checkpoint = one_checkpoint()
     first = OrbaxCheckpointWriter(output_dir=str(tmp_path))
     first(checkpoint)
@@ -297,12 +297,12 @@ def _rewrite_footer(path, change):
     import msgpack
 
     data = bytearray(open(path, "rb").read())
-    footer_size, _, end = _format._TAIL.unpack(data[-_format._TAIL.size :])
-    start = len(data) - _format._TAIL.size - footer_size
+    footer_size, _, end = format.TAIL.unpack(data[-format.TAIL.size :])
+    start = len(data) - format.TAIL.size - footer_size
     footer = msgpack.unpackb(bytes(data[start : start + footer_size]), raw=False)
     change(footer)
     packed = msgpack.packb(footer, use_bin_type=True)
-    tail = _format._TAIL.pack(len(packed), zlib.crc32(packed), end)
+    tail = format.TAIL.pack(len(packed), zlib.crc32(packed), end)
     with open(path, "wb") as stream:
         stream.write(bytes(data[:start]) + packed + tail)
     del struct
@@ -318,7 +318,7 @@ def test_a_table_of_overlapping_entries_is_damage_read_in_bounded_memory(tmp_pat
 
     _rewrite_footer(path, many_views)
     with pytest.raises(CheckpointCorruptError, match="overlap"):
-        _parse.read(str(path))
+        parse.read(str(path))
     code, out = cli_output("verify", str(tmp_path))
     assert code == cli.EXIT_DAMAGED and "overlap" in out
 
@@ -644,9 +644,9 @@ def test_an_orbax_failure_on_close_is_a_checkpoint_error_and_frees_the_directory
     writer.manager.wait_until_finished = full_disk
     with pytest.raises(CheckpointError, match="Orbax failed to finish a write.*RESOURCE_EXHAUSTED"):
         writer.close()
-    lock = _lock.DirectoryLock(str(tmp_path), "orbax.")
-    lock.acquire(wait_seconds=0)  # released all the same
-    lock.release()
+    held = lock.DirectoryLock(str(tmp_path), "orbax.")
+    held.acquire(wait_seconds=0)  # released all the same
+    held.release()
 
 
 def test_a_damaged_orbax_step_is_reported_once_without_asyncio_tracebacks(tmp_path, capfd):

@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from flax_loop.checkpoint import _format, _parse
+from flax_loop.checkpoint import format, parse
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.random import eval_key, init_key, step_keys, train_key
 from flax_loop.step.build import build_update
@@ -146,12 +146,12 @@ def test_file_format_round_trip_is_exact_and_deterministic(tmp_path):
     }
     meta = {"step": 7, "metrics": {"eval": {"accuracy": 0.5}}, "data_state": {"position": [1, 2]}}
     first, second = io.BytesIO(), io.BytesIO()
-    _format.write(first, tree, meta)
-    _format.write(second, tree, meta)
+    format.write(first, tree, meta)
+    format.write(second, tree, meta)
     assert first.getvalue() == second.getvalue()
     path = tmp_path / "regular.7.ckpt"
     path.write_bytes(first.getvalue())
-    read_tree, read_meta = _parse.read(str(path))
+    read_tree, read_meta = parse.read(str(path))
     assert read_meta["step"] == 7 and read_meta["data_state"] == {"position": [1, 2]}
     assert read_meta["metrics"] == {"eval": {"accuracy": 0.5}}
     flat_in, flat_out = jax.tree.leaves(tree), jax.tree.leaves(read_tree)

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         Summary,
         expect,
     )
+    from flax_loop.checkpoint._frozen import digest as digest
+    from flax_loop.checkpoint._frozen import flatten as flatten
     from flax_loop.checkpoint._frozen import put_back as put_back
     from flax_loop.checkpoint._frozen import taken_from as taken_from
     from flax_loop.checkpoint._inventory import (
@@ -65,9 +67,12 @@ _HOMES = {
     "Saved": "flax_loop.checkpoint._checkpoint",
     "SavedState": "flax_loop.checkpoint._checkpoint",
     "as_summary": "flax_loop.checkpoint._summary",
-    # for the layers above (set-up puts frozen parameters back, the meter
-    # reports goodput); not part of the documented API
+    # for the layers above and the tests (set-up puts frozen parameters back
+    # and checks their digest, the meter reports goodput); not part of the
+    # documented API
     "put_back": "flax_loop.checkpoint._frozen",
+    "digest": "flax_loop.checkpoint._frozen",
+    "flatten": "flax_loop.checkpoint._frozen",
     "taken_from": "flax_loop.checkpoint._frozen",
     "goodput": "flax_loop.checkpoint._summary",
     "summarize": "flax_loop.checkpoint._summary",

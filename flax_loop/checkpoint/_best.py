@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from flax_loop.checkpoint._checkpoint import Summary, expect
-from flax_loop.checkpoint._format import quote
 from flax_loop.checkpoint._reader import CheckpointFileReader
 from flax_loop.checkpoint._writer import CheckpointFileWriter
+from flax_loop.checkpoint.format import quote
 from flax_loop.errors import ConfigError, MetricError
 from flax_loop.log import log
 

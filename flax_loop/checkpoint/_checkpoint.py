@@ -24,7 +24,7 @@ optimizer state is declared by the step (`flax_loop.step.Step.fields`) and
 travels in `carried` by its name: every form, file and reader follows from
 the names. The
 run's key is stored as its implementation's name and raw data
-(`flax_loop.checkpoint._format.key_data`), in files and Orbax items alike.
+(`flax_loop.checkpoint.format.key_data`), in files and Orbax items alike.
 """
 
 import dataclasses

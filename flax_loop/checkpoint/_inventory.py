@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from flax_loop.checkpoint import _parse
-from flax_loop.checkpoint._format import Checksums
+from flax_loop.checkpoint import parse
 from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX, LeftOut, array_names
+from flax_loop.checkpoint.format import Checksums
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
 
 _STEP_NAME = re.compile(r"[0-9]+")
@@ -164,7 +164,7 @@ def list_checkpoints(directory: str) -> list[CheckpointEntry]:
 
 def _verify_file(entry: CheckpointEntry) -> None:
     try:
-        _, meta = _parse.read(entry.path)
+        _, meta = parse.read(entry.path)
         if meta["step"] != entry.step:
             raise CheckpointError(
                 f"its name says step {entry.step}, its contents step {meta['step']}"
@@ -265,7 +265,7 @@ def read_contents(path: str) -> CheckpointContents:
             meta.get("data_state"),
             arrays,
         )
-    tree, meta = _parse.read(path)
+    tree, meta = parse.read(path)
     arrays = []
 
     def walk(node: Any, prefix: str) -> None:
@@ -299,15 +299,15 @@ def read_damaged(path: str) -> CheckpointContents:
     Raises:
         CheckpointError: if not even the footer (the metadata) can be read.
     """
-    with _parse._open_regular(path) as stream:
-        footer, entries, data_end = _parse.read_footer(stream, path)
+    with parse._open_regular(path) as stream:
+        footer, entries, data_end = parse.read_footer(stream, path)
         names = array_names(footer.get("tree"))
         arrays, damaged = [], {}
         for index, entry in enumerate(entries):
             name = names.get(index, str(index))
             try:
                 with Checksums() as checksums:
-                    array = _parse._read_array(stream, path, name, entry, data_end, checksums)
+                    array = parse._read_array(stream, path, name, entry, data_end, checksums)
                 arrays.append((name, tuple(array.shape), array.dtype.name, array.nbytes))
             except CheckpointCorruptError as error:
                 shape: Any = entry.get("shape")

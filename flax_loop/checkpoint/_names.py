@@ -2,7 +2,7 @@ r"""What a listing of checkpoint files reads without JAX: the files' names,
 the record of the frozen parameters a file left out, and the arrays' names
 in a file's footer.
 
-`flax-loop ls`, `verify` and `show` import this, `_format`, `_parse` and `_inventory`
+`flax-loop ls`, `verify` and `show` import this, `format`, `parse` and `_inventory`
 only, so that they start without loading JAX.
 """
 

@@ -40,7 +40,6 @@ from typing import Any
 
 from flax_loop.checkpoint._best import KeepsBest, check_best_arguments
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
-from flax_loop.checkpoint._lock import DirectoryLock
 from flax_loop.checkpoint._orbax_reader import OrbaxCheckpointReader
 from flax_loop.checkpoint._orbax_store import (
     META_ITEM,
@@ -52,6 +51,7 @@ from flax_loop.checkpoint._orbax_store import (
     read_orbax_step,
 )
 from flax_loop.checkpoint._writer import EXIT_CODE_WRITE_FAILED, check_writer_options, to_file
+from flax_loop.checkpoint.lock import DirectoryLock
 from flax_loop.errors import CheckpointError, ConfigError
 from flax_loop.log import is_main_process, log
 

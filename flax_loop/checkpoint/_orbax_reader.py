@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flax_loop.checkpoint._checkpoint import CheckpointFile
-from flax_loop.checkpoint._format import restore_key
 from flax_loop.checkpoint._orbax_store import (
     FORMAT_VERSION,
     META_ITEM,
@@ -33,6 +32,7 @@ from flax_loop.checkpoint._orbax_store import (
     reading,
     restore_tree,
 )
+from flax_loop.checkpoint.format import restore_key
 from flax_loop.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from flax_loop.log import log
 

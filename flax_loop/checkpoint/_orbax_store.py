@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved
-from flax_loop.checkpoint._format import key_data
+from flax_loop.checkpoint.format import key_data
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,

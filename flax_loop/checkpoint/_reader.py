@@ -7,10 +7,10 @@ import numpy as np
 from flax import serialization
 
 from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved
-from flax_loop.checkpoint._format import list_steps, restore_key
 from flax_loop.checkpoint._frozen import flatten, inserted
 from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut
-from flax_loop.checkpoint._parse import read
+from flax_loop.checkpoint.format import list_steps, restore_key
+from flax_loop.checkpoint.parse import read
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -207,6 +207,17 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
                 )
     file = file.with_arrays(stored)
     have = flatten(stored)
+    empty = sorted(
+        name for name, leaf in have.items() if leaf is None and hasattr(want.get(name), "shape")
+    )
+    if empty:  # an intact file of another trainable filter: no optimizer state there
+        shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
+        raise CheckpointMismatchError(
+            f"{path} holds no value at {shown}, where this run keeps one: it was written "
+            "with another trainable filter (TrainTask(trainable=...)) or optimizer, whose "
+            "state leaves out what it does not train. Resume with the trainable filter "
+            "and optimizer that wrote it, or start a new directory."
+        )
     for name, leaf in have.items():
         if name in want and hasattr(want[name], "shape") and not isinstance(leaf, np.ndarray):
             raise CheckpointCorruptError(

@@ -11,11 +11,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from flax_loop.checkpoint import _format
+from flax_loop.checkpoint import format
 from flax_loop.checkpoint._checkpoint import Checkpoint, CheckpointFile, Summary, expect
 from flax_loop.checkpoint._frozen import leave_out
-from flax_loop.checkpoint._lock import DirectoryLock
 from flax_loop.checkpoint._names import REGULAR_PREFIX
+from flax_loop.checkpoint.lock import DirectoryLock
 from flax_loop.errors import CheckpointError, ConfigError, check_count
 from flax_loop.log import is_main_process, log
 from flax_loop.parallel import gather_split, to_host
@@ -143,14 +143,14 @@ class CheckpointFileWriter:
 
     def _lock(self, prefix: str) -> None:
         if prefix not in self._locks:
-            _format.ensure_directory(self.output_dir)
+            format.ensure_directory(self.output_dir)
             lock = DirectoryLock(self.output_dir, prefix)
             lock.acquire()
             self._locks[prefix] = lock
-            _format.clean_temporary(self.output_dir, prefix)
+            format.clean_temporary(self.output_dir, prefix)
 
     def _check_later_files(self, prefix: str, step: int) -> None:
-        existing = _format.list_steps(self.output_dir, prefix)
+        existing = format.list_steps(self.output_dir, prefix)
         in_the_way = [
             (s, path) for s, path in existing if s > step or (s == step and self.overwrite is False)
         ]
@@ -195,7 +195,7 @@ class CheckpointFileWriter:
 
     def _save(self, prefix: str, file: CheckpointFile) -> str:
         try:
-            written = _format.save(self.output_dir, prefix, file)
+            written = format.save(self.output_dir, prefix, file)
         except CheckpointError:
             raise
         except OSError as error:
@@ -207,12 +207,12 @@ class CheckpointFileWriter:
         return written
 
     def _prune(self, prefix: str, written: str, step: int) -> None:
-        newest_first = _format.list_steps(self.output_dir, prefix)
+        newest_first = format.list_steps(self.output_dir, prefix)
         later = [path for s, path in newest_first if s > step]  # only with overwrite=True
         kept = [path for s, path in newest_first if s <= step]
         for path in later + kept[self.keep :]:
             if path != written:
-                _format.remove_quietly(path)
+                format.remove_quietly(path)
 
 
 def check_writer_options(output_dir: Any, keep: Any, overwrite: Any) -> str:

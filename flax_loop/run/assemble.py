@@ -35,7 +35,7 @@ from flax_loop import distributed
 from flax_loop.checkpoint import CheckpointFile
 from flax_loop.data.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.data.feed import BatchFeed, DispatchPlan
-from flax_loop.errors import ConfigError, FlaxLoopError
+from flax_loop.errors import ConfigError, FlaxLoopError, LossError
 from flax_loop.log import console, is_main_process, log
 from flax_loop.parallel import Placement
 from flax_loop.random import as_typed_key, labels_of, train_key
@@ -151,6 +151,9 @@ def assemble(
         options.profile,
         n_steps,
     )
+    hint = objective.lora_hint()
+    if hint is not None:
+        log(hint, stdout, lead="Note:", style="yellow")
     trained = trained_part.split(start.model_params)
     _say_set_up(runner, start.model_params, trained, placement, setup_seconds, stdout, layout)
     return runner
@@ -289,6 +292,14 @@ def _compiled(
             objective.grads_like,
             interrupted,
         )
+    except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise LossError(
+            f"The step is traced and compiled, so Python control flow cannot depend on "
+            f"its values ({type(error).__name__}: {first}). Write a choice that depends "
+            "on a value, the step's number `step` included, with jnp.where(...) or "
+            "jax.lax.cond(...), and a loop with jax.lax.fori_loop(...)."
+        ) from None
     except Exception as error:
         if not isinstance(error, FlaxLoopError):
             error.add_note(

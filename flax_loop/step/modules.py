@@ -141,7 +141,21 @@ class NNXModel:
         )
         if not any(variable.get_metadata().get("out_sharding") for variable in variables):
             return None
-        return nnx.to_pure_dict(nnx.get_partition_spec(self._templates[0]))
+
+        def as_names(variable: Any) -> Any:
+            # JAX's tutorials annotate with a NamedSharding or a PartitionSpec:
+            # their axis names are the annotation
+            given = variable.get_metadata().get("out_sharding")
+            if isinstance(given, jax.sharding.NamedSharding):
+                given = given.spec
+            if isinstance(given, jax.sharding.PartitionSpec):
+                return variable.replace(out_sharding=tuple(given))
+            return variable
+
+        named = jax.tree.map(
+            as_names, self._templates[0], is_leaf=lambda leaf: isinstance(leaf, nnx.Variable)
+        )
+        return nnx.to_pure_dict(nnx.get_partition_spec(named))
 
     @property
     def params_state(self) -> nnx.State:

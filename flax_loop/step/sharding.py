@@ -101,7 +101,10 @@ def linen_annotations(variables: Any) -> Any:
     def spec(leaf: Any) -> PartitionSpec:
         if not isinstance(leaf, meta.Partitioned):
             return PartitionSpec()
-        names = tuple(leaf.names)
+        given: Any = leaf.names
+        if isinstance(given, jax.sharding.NamedSharding):  # as JAX's tutorials annotate
+            given = given.spec
+        names = tuple(given)
         if not hasattr(leaf, "rules"):  # nn.with_partitioning: mesh axes
             return PartitionSpec(*names)
         rules = spmd.composite_rules(spmd.get_logical_axis_rules(), leaf.rules or ())

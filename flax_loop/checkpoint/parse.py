@@ -1,4 +1,4 @@
-r"""Reading a checkpoint file (`_format` lays it out): every field of its
+r"""Reading a checkpoint file (`format` lays it out): every field of its
 footer is checked before it is used, and every array against its checksum.
 """
 
@@ -13,23 +13,23 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
-from flax_loop.checkpoint._format import (
+from flax_loop.checkpoint._names import array_names
+from flax_loop.checkpoint.format import (
     _ARRAY_REF,
     _CHUNK,
     _DTYPES,
-    _HEAD,
-    _TAIL,
     END_MAGIC,
     FORMAT_NAME,
     FORMAT_VERSION,
+    HEAD,
     MAGIC,
     MAX_DEPTH,
     MAX_DIMENSIONS,
     MAX_EXTENT,
     MAX_STEP,
+    TAIL,
     Checksums,
 )
-from flax_loop.checkpoint._names import array_names
 from flax_loop.errors import CheckpointCorruptError, CheckpointVersionError
 
 
@@ -72,11 +72,11 @@ def read_footer(stream: BinaryIO, path: str) -> tuple[dict[str, Any], list[dict[
         CheckpointVersionError: for a file of a newer format version.
     """
     size = os.fstat(stream.fileno()).st_size
-    if size < _HEAD.size + _TAIL.size:
+    if size < HEAD.size + TAIL.size:
         raise CheckpointCorruptError(
             f"{path} is truncated: {size} bytes, shorter than any checkpoint file."
         )
-    magic, version = _HEAD.unpack(stream.read(_HEAD.size))
+    magic, version = HEAD.unpack(stream.read(HEAD.size))
     if magic != MAGIC:
         raise CheckpointCorruptError(
             f"{path} is not a flax_loop checkpoint file (header {magic!r})."
@@ -86,10 +86,10 @@ def read_footer(stream: BinaryIO, path: str) -> tuple[dict[str, Any], list[dict[
             f"{path} has format version {version}; this flax_loop reads "
             f"versions up to {FORMAT_VERSION}. Upgrade flax_loop to read it."
         )
-    stream.seek(size - _TAIL.size)
-    footer_size, footer_crc, end = _TAIL.unpack(stream.read(_TAIL.size))
-    data_end = size - _TAIL.size - footer_size
-    if end != END_MAGIC or footer_size > size - _HEAD.size - _TAIL.size:
+    stream.seek(size - TAIL.size)
+    footer_size, footer_crc, end = TAIL.unpack(stream.read(TAIL.size))
+    data_end = size - TAIL.size - footer_size
+    if end != END_MAGIC or footer_size > size - HEAD.size - TAIL.size:
         raise CheckpointCorruptError(
             f"{path} is truncated or damaged: its end marker or footer size is "
             "wrong (was the write interrupted?)."
@@ -153,7 +153,7 @@ def _check_layout(path: str, entries: list[dict[str, Any]], data_end: int) -> No
                 f"{path} is damaged: arrays {min(first, second)} and "
                 f"{max(first, second)} overlap in the file."
             )
-    if sum(end - start for start, end, _ in spans) > max(data_end - _HEAD.size, 0):
+    if sum(end - start for start, end, _ in spans) > max(data_end - HEAD.size, 0):
         raise CheckpointCorruptError(
             f"{path} is damaged: its arrays claim more bytes than it holds."
         )
@@ -242,7 +242,7 @@ def _read_array(
             f"{path} is damaged: array {index} has an invalid description {entry!r}."
         )
     expected = dtype.itemsize * int(np.prod(shape, dtype=object))
-    if nbytes != expected or offset < _HEAD.size or offset + nbytes > data_end:
+    if nbytes != expected or offset < HEAD.size or offset + nbytes > data_end:
         raise CheckpointCorruptError(
             f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) claims "
             f"{nbytes} bytes at offset {offset}, outside the file's data."

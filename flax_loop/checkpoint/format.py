@@ -11,7 +11,7 @@ metrics, the run's key, the data iterator's state, and a tree whose array
 leaves are references (msgpack extension type 1) into a table of
 `{dtype, shape, offset, nbytes, crc32}` entries. Arrays are written one at a
 time, so writing holds at most one array's host copy beyond the state, and
-nothing in a file is ever executed when it is read (`_parse` reads a file,
+nothing in a file is ever executed when it is read (`parse` reads a file,
 every field checked before it is used).
 """
 
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 FORMAT_NAME = "flax_loop.checkpoint"
 MAGIC = b"FLAXLOOP"
 END_MAGIC = b"POOLXALF"
-_HEAD = struct.Struct("<8sI")
-_TAIL = struct.Struct("<QI8s")
+HEAD = struct.Struct("<8sI")
+TAIL = struct.Struct("<QI8s")
 _ARRAY_REF = 1
 _CHUNK = 8 << 20
 MAX_DEPTH = 64
@@ -157,9 +157,9 @@ def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
         tree: nested dicts/lists whose leaves are arrays or numbers.
         meta: msgpack-able metadata (step, metrics, ...).
     """
-    stream.write(_HEAD.pack(MAGIC, FORMAT_VERSION))
+    stream.write(HEAD.pack(MAGIC, FORMAT_VERSION))
     table: list[dict[str, Any]] = []
-    offset = _HEAD.size
+    offset = HEAD.size
 
     def store(leaf: Any) -> msgpack.ExtType:
         nonlocal offset
@@ -194,7 +194,7 @@ def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
         use_bin_type=True,
     )
     stream.write(footer)
-    stream.write(_TAIL.pack(len(footer), zlib.crc32(footer), END_MAGIC))
+    stream.write(TAIL.pack(len(footer), zlib.crc32(footer), END_MAGIC))
 
 
 def _map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
