@@ -136,8 +136,10 @@ class TrainTask:
     this one (0 at the first), as optax's `count` and Flax's
     `TrainState.step` count. `metrics` is a dict of scalars with `"loss"`
     (what the interval's mean, the non-finite check and the progress bar
-    read). The model state's and the carry's floating-point values are
-    averaged over the devices after each step; return the state's
+    read). With `data=None` the step reads no data (`batch` is `None`: a
+    rollout in the step) and the loop runs `n_steps` steps. The model
+    state's and the carry's floating-point values are averaged over the
+    devices after each step; return the state's
     `model_state` changed (`state.replace(model_state=...)`) for
     collections the model's calls change."""
 
@@ -196,7 +198,11 @@ def check_train_task(task: Any) -> TrainTask:
     Raises:
         ConfigError: naming what is missing or of the wrong kind.
     """
-    missing = [name for name in ("apply", "optimizer", "data") if getattr(task, name, None) is None]
+    # a step of your own may read no data: it then runs without a stream
+    needed = (
+        ("apply", "optimizer") if getattr(task, "update", None) else ("apply", "optimizer", "data")
+    )
+    missing = [name for name in needed if getattr(task, name, None) is None]
     loss, compute_loss = getattr(task, "loss", None), getattr(task, "compute_loss", None)
     update = getattr(task, "update", None)
     if loss is None and compute_loss is None and update is None:

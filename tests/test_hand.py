@@ -2,12 +2,15 @@
 `loop.set_hyperparams(...)` change what the next step takes, without
 compiling the step again, and the next checkpoint holds it."""
 
+import io
+
 import jax
 import numpy as np
 import optax
 import pytest
+from rich.console import Console
 
-from flax_loop import CheckpointFileReader, CheckpointFileWriter
+from flax_loop import CheckpointFileReader, CheckpointFileWriter, set_console
 from flax_loop.errors import ConfigError
 from flax_loop.random import init_key, into_collection
 from tests.helpers import MLP, ResumableBatches, cross_entropy, digits_loop, digits_split
@@ -60,6 +63,14 @@ def test_set_hyperparams_halves_the_learning_rate_from_the_next_step(tmp_path):
     CheckpointFileWriter(output_dir=str(tmp_path))(second)  # the file holds the new rate
     file = CheckpointFileReader(dir=str(tmp_path), target=MODEL.init).read_newest()
     assert float(file.optimizer_state["hyperparams"]["learning_rate"]) == pytest.approx(0.05)
+    # a run resumed from it with the task's 0.1 trains with the task's, and says so
+    shown = io.StringIO()
+    set_console(Console(file=shown, width=300))
+    reader = CheckpointFileReader(dir=str(tmp_path), target=MODEL.init)
+    resumed = sgd_loop(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), init=reader)
+    resumed.n_steps = 12
+    assert resumed.next_checkpoint().train_metrics["learning_rate"] == pytest.approx(0.1)
+    assert "training goes on with the task's (learning_rate 0.05 -> 0.1;" in shown.getvalue()
 
 
 def test_update_state_changes_what_the_next_step_takes():

@@ -462,3 +462,49 @@ def test_a_parameter_written_in_the_loss_is_named_and_a_variable_carries_over():
         loop(net, nudges_the_bias)
     last = list(loop(net, squared_error))[-1]
     assert int(last.model_state["calls"]) == 3  # a non-parameter variable carries over
+
+
+# -- a step that reads no data: the samples drawn in the step ------------------
+
+
+class Mean(nn.Module):
+    @nn.compact
+    def __call__(self, x):  # x: (n, 1) ones, one row a sample
+        return self.param("mu", nn.initializers.zeros, (2,)) * x
+
+
+def sampled_update(state, batch, *, rng, step):
+    assert batch is None  # no stream: the step draws its own samples
+    samples = jax.random.normal(rng, (64, 2)) + jnp.asarray([3.0, -1.0])
+    ones = jnp.ones((64, 1))
+    loss, grads = jax.value_and_grad(lambda p: ((state.model(p)(ones) - samples) ** 2).mean())(
+        state.params
+    )
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def sampled_loop(**options):
+    return TrainLoop(
+        init=Mean().init,
+        task=TrainTask(Mean().apply, optax.sgd(0.2), update=sampled_update),
+        rnkey=jax.random.key(SEED),
+        n_steps=12,
+        input_sample=np.ones((1, 1), np.float32),
+        devices=jax.devices()[:1],
+        stdout=False,
+        **options,
+    )
+
+
+def test_a_step_without_data_runs_n_steps_as_written_by_hand():
+    (last,) = list(sampled_loop(n_steps_per_checkpoint=12))
+    mu = jnp.zeros(2)
+    for number in range(12):
+        samples = jax.random.normal(the_rng(number), (64, 2)) + jnp.asarray([3.0, -1.0])
+        grad = jax.grad(lambda m: ((m * jnp.ones((64, 1)) - samples) ** 2).mean())(mu)
+        mu = mu - 0.2 * grad
+    assert last.step == 12
+    np.testing.assert_allclose(last.model_params["mu"], mu, rtol=1e-6)
+    np.testing.assert_allclose(last.model_params["mu"], [3.0, -1.0], atol=0.2)
+    by_three = list(sampled_loop(n_steps_per_checkpoint=3))[-1]
+    same(by_three.model_params, last.model_params)

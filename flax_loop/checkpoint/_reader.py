@@ -208,7 +208,11 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
     file = file.with_arrays(stored)
     have = flatten(stored)
     empty = sorted(
-        name for name, leaf in have.items() if leaf is None and hasattr(want.get(name), "shape")
+        name
+        for name, leaf in have.items()
+        if leaf is None
+        and name.startswith("/optimizer_state/")
+        and hasattr(want.get(name), "shape")
     )
     if empty:  # an intact file of another trainable filter: no optimizer state there
         shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")

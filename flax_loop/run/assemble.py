@@ -187,7 +187,7 @@ def _objective_and_feed(
     tree = None if getattr(task, "loss", None) is not None else BatchTree()
     objective = Objective.of(task, task.apply, apply_labels, mutable_collections, tree)
     feed = BatchFeed(
-        task.data,
+        _NoData(placement.n_local_shards) if task.data is None else task.data,
         placement,
         options.steps_per_dispatch,
         options.prefetch,
@@ -361,3 +361,24 @@ def _throughput(
         n_devices=placement.n_devices,
         peak_flops=device_peak(placement.devices[0]),
     )
+
+
+class _NoData:
+    r"""The stream of a step that reads no data (`TrainTask(update=fn,
+    data=None)`): a placeholder batch each step, one entry a device, which
+    the step is not given."""
+
+    def __init__(self, n_local_shards: int) -> None:
+        self._batch = np.zeros((max(n_local_shards, 1),), np.uint8)
+
+    def __iter__(self) -> _NoData:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return self._batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        pass

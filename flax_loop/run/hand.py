@@ -112,3 +112,70 @@ def with_hyperparams(optimizer_state: Any, values: Mapping[str, Any], where: str
 def _dtype(value: Any) -> np.dtype:
     dtype = getattr(value, "dtype", None)
     return np.dtype(dtype) if dtype is not None else np.result_type(value)
+
+
+def constant_hyperparams(optimizer: Any) -> list[dict[str, Any]]:
+    r"""The constant injected hyperparameters an optimizer starts with, one
+    dict for each `optax.inject_hyperparams` state it holds, in order (those a
+    schedule sets at every update are left out); `[]` when it holds none or
+    cannot be probed.
+
+    >>> constant_hyperparams(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    [{'learning_rate': Array(0.1, dtype=float32)}]
+    >>> constant_hyperparams(optax.inject_hyperparams(optax.sgd)(
+    ...     learning_rate=optax.linear_schedule(1.0, 0.0, 10)))
+    [{}]
+    """
+
+    def is_injected(node: Any) -> bool:
+        return isinstance(node, _INJECTED)
+
+    try:
+        state = optimizer.init({})
+        # a constant stays what the state holds at an update; a schedule's is set anew
+        probe = jax.tree.map(
+            lambda node: (
+                node._replace(
+                    hyperparams={k: np.full_like(v, np.nan) for k, v in node.hyperparams.items()}
+                )
+                if is_injected(node)
+                else node
+            ),
+            state,
+            is_leaf=is_injected,
+        )
+        _, updated = optimizer.update({}, probe, {})
+    except Exception:  # an optimizer that cannot be probed on no parameters
+        return []
+    before = [n for n in jax.tree.leaves(state, is_leaf=is_injected) if is_injected(n)]
+    after = [n for n in jax.tree.leaves(updated, is_leaf=is_injected) if is_injected(n)]
+    return [
+        {k: v for k, v in node.hyperparams.items() if np.isnan(np.asarray(later.hyperparams[k]))}
+        for node, later in zip(before, after)
+    ]
+
+
+def task_hyperparams(optimizer_state: Any, optimizer: Any) -> tuple[Any, list[str]]:
+    r"""A resumed optimizer state with the task's constant injected
+    hyperparameters where the file holds others, and a description of each
+    change (`"learning_rate 0.05 -> 0.1"`)."""
+    constants = constant_hyperparams(optimizer)
+    nodes = iter(constants)
+    changes: list[str] = []
+
+    def replaced(node: Any) -> Any:
+        if not isinstance(node, _INJECTED):
+            return node
+        wanted = next(nodes, {})
+        hyperparams = dict(node.hyperparams)
+        for name, value in wanted.items():
+            stored = hyperparams.get(name)
+            if stored is not None and not np.array_equal(np.asarray(stored), np.asarray(value)):
+                changes.append(f"{name} {float(np.asarray(stored)):.6g} -> {float(value):.6g}")
+                hyperparams[name] = np.asarray(value, dtype=_dtype(stored))
+        return node._replace(hyperparams=hyperparams)
+
+    if not constants:
+        return optimizer_state, []
+    new = jax.tree.map(replaced, optimizer_state, is_leaf=lambda node: isinstance(node, _INJECTED))
+    return new, changes

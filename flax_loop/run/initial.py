@@ -33,6 +33,7 @@ from flax_loop.errors import ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
+from flax_loop.run.hand import task_hyperparams
 from flax_loop.step.core import CORE, Fields, Step
 from flax_loop.step.modules import NNXModel
 from flax_loop.step.objective import SOWN, Objective
@@ -171,11 +172,35 @@ def initial_state(
             )
             return CheckpointFile(params, model_state, optimizer_state, step=0)
         if restored is not None:
-            return dataclasses.replace(restored, step=int(restored.step))
+            return _with_task_hyperparams(
+                dataclasses.replace(restored, step=int(restored.step)), optimizer
+            )
     params, model_state, optimizer_state = _guarded(
         lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
+
+
+def _with_task_hyperparams(restored: CheckpointFile, optimizer: Any) -> CheckpointFile:
+    r"""The restored state with the task's constant injected hyperparameters
+    (`optax.inject_hyperparams`) where the file holds others, said in one
+    line: the task says what to train with now."""
+    parts = getattr(optimizer, "parts", None)
+    if parts is None or restored.optimizer_state is None:
+        return restored
+    states = optimizer.of_parts(restored.optimizer_state)
+    changes = []
+    for index, part in enumerate(parts):
+        states[index], changed = task_hyperparams(states[index], part.optimizer)
+        changes += [f"{'' if part.name is None else part.name + ' '}{c}" for c in changed]
+    if not changes:
+        return restored
+    log(
+        f"The task's injected hyperparameters differ from {restored.path}'s: training "
+        f"goes on with the task's ({', '.join(changes)}; the file's -> the task's).",
+        lead="Resumed:",
+    )
+    return dataclasses.replace(restored, optimizer_state=optimizer.by_part(states))
 
 
 def _put_back_frozen(restored: CheckpointFile, initialize: Callable[[], Any]) -> CheckpointFile:

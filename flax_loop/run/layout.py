@@ -72,6 +72,7 @@ class StepLayout:
             transforms=getattr(task, "transforms", ()),
             update=getattr(task, "update", None),
             carry=getattr(task, "carry", None),
+            reads_data=getattr(task, "data", None) is not None,
         )
 
         def shardings_of(state: TrainState) -> TrainState:

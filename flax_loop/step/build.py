@@ -49,6 +49,7 @@ def task_step(
     transforms: Sequence[Transform] = (),
     update: UpdateFn | None = None,
     carry: Any = None,
+    reads_data: bool = True,
 ) -> Step:
     r"""The objective's step with the transforms the options ask for.
 
@@ -63,6 +64,7 @@ def task_step(
             applied first.
         update, carry: a step of the task's own (`TrainTask.update`) and the
             arrays it carries, instead of the objective's parts.
+        reads_data: whether the task has a data stream (`own_step`).
     """
     applied = list(transforms)
     if ema_decay is not None:
@@ -70,7 +72,7 @@ def task_step(
     if skip:  # outermost: a skipped step leaves every field as it was
         applied.append(skip_nonfinite())
     if update is not None:
-        base = own_step(update, objective, carry, axis_name, shards)
+        base = own_step(update, objective, carry, axis_name, shards, reads_data)
     else:
         base = parts_step(objective, axis_name, shards)
     return chain(base, *applied)

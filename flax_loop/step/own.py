@@ -176,6 +176,7 @@ def own_step(
     carry: Any,
     axis_name: str | None,
     shards: NamedSharding | None = None,
+    reads_data: bool = True,
 ) -> Step:
     r"""The step of `TrainTask(update=fn)`.
 
@@ -187,6 +188,8 @@ def own_step(
             device and with a sharded state (`shards`), whose step runs over
             the whole batch at once.
         shards: the batch's layout with a sharded state, or `None`.
+        reads_data: whether the task has a data stream; without, `fn` is
+            given `None` for the batch.
     """
     averaged_over = axis_name if shards is None else None
     partitions: list[Any] = []
@@ -216,6 +219,8 @@ def own_step(
             params, fields["model_state"], fields["optimizer_state"], fields.get(CARRY), zeros, env
         )
         given = batch if objective.batch_tree is None else objective.batch_tree.unflatten(batch)
+        if not reads_data:
+            given = None
         rng = loss_key(context.key, number, device_index)
         new, metrics = _checked(update(state, given, rng=rng, step=context.step), update)
         loss = metrics.pop("loss")
