@@ -116,3 +116,24 @@ def test_a_run_trained_to_its_end_says_where_its_time_went(capsys):
     for _ in loop.run(25):
         pass
     assert "Done:" not in capsys.readouterr().out
+
+
+def test_a_finished_run_run_again_compiles_no_step_and_says_so(tmp_path, capsys):
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter
+
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
+        for checkpoint in digits_loop(n_steps=20, n_steps_per_checkpoint=10, n_devices=1):
+            write(checkpoint)
+    capsys.readouterr()
+    from tests.helpers import MLP
+
+    reader = CheckpointFileReader(dir=str(tmp_path), target=MLP().init)
+    again = digits_loop(n_steps=20, n_devices=1, init=reader, stdout=True)
+    assert set(again.compiled.status().values()) == {"on first call"}  # nothing compiled
+    assert list(again) == []
+    out = capsys.readouterr().out
+    assert "Nothing to train: the loop is at step 20 and trains to step 20" in out
+    assert "Done:" not in out
+    again.n_steps = 25  # more to train after all: the steps compile when first called
+    *_, last = list(again)
+    assert last.step == 25 and "Done: 5 steps (to step 25) in " in capsys.readouterr().out

@@ -117,9 +117,11 @@ def assemble(
         init_fn, reader, objective, layout, placement, feed, key, stdout, model
     )
     interrupted = None if placement.multiprocess else lambda: guard.interrupted
+    finished = start.path is not None and 0 < n_steps <= step  # nothing left to train
     steps = _compiled(
-        layout.step, placement, state, feed, step_key, plan, shardings, objective, interrupted
-    )
+        layout.step, placement, state, feed, step_key, plan, shardings, objective, interrupted,
+        finished,
+    )  # fmt: skip
     trained_part = objective.trained(start.model_params)
     intervals = Intervals(
         steps,
@@ -276,6 +278,7 @@ def _compiled(
     shardings: TrainState | None,
     objective: Objective,
     interrupted: Callable[[], bool] | None,
+    defer: bool = False,
 ) -> CompiledSteps:
     r"""The step compiled for the plan's first dispatch (the others compiling
     behind it); an error raised while tracing says what the step was traced
@@ -291,6 +294,7 @@ def _compiled(
             shardings,
             objective.grads_like,
             interrupted,
+            defer,
         )
     except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError) as error:
         first = str(error).strip().splitlines()[0]

@@ -105,6 +105,8 @@ class Runner:
         self.profile = profile
         self.lost: str | None = None  # why the run cannot go on (an interrupt)
         self.stopped_by = ""  # what asked for the last stop (Ctrl-C, SIGTERM)
+        self.first_step = step
+        r"""the step this process started from (set-up's)."""
         self.n_steps = n_steps
         r"""the total number of steps the run trains to (`TrainLoop.n_steps`)."""
 
@@ -189,9 +191,10 @@ class Runner:
                     message = STOPPED.format(step=self.step, why=self.stopped_by)
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
                     return
-            if target is None and self.step >= self.n_steps:  # the run's closing line
+            trained = self.step - self.first_step
+            if target is None and self.step >= self.n_steps and trained:  # the closing line
                 log(
-                    done_line(self.step, self.times.totals()),
+                    done_line(trained, self.step, self.times.totals()),
                     self.stdout,
                     lead="Done:",
                     style="bold",

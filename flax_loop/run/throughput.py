@@ -255,9 +255,17 @@ class TimeBreakdown:
         return dict(self._totals)
 
 
-def done_line(step: int, totals: dict[str, Any]) -> str:
-    r"""The closing line of a run trained to its last step: where the time went."""
-    return f"{step:,} steps in {float(totals['wall']):.1f} s: {describe(totals)}."
+def done_line(trained: int, step: int, totals: dict[str, Any]) -> str:
+    r"""The closing line of a run trained to its last step (`step`): the
+    steps this process trained and where the time went.
+
+    >>> line = done_line(600, 1000, {"setup": 1, "compile": 1, "data": 0, "device": 7,
+    ...                              "caller": 1, "wall": 10})
+    >>> line.split(": ")[0]
+    '600 steps (to step 1,000) in 10.0 s'
+    """
+    to = "" if trained == step else f" (to step {step:,})"
+    return f"{trained:,} steps{to} in {float(totals['wall']):.1f} s: {describe(totals)}."
 
 
 def describe(breakdown: dict[str, Any]) -> str:

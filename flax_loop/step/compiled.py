@@ -65,6 +65,9 @@ class CompiledSteps:
             the step's gradients (`Objective.grads_like`); identity by default.
         interrupted: asked while a program waits for its compilation (once
             true, the call raises `KeyboardInterrupt`), or `None`.
+        defer: compile nothing until a program is first called (a run with
+            nothing left to train: its first variant is traced, so a model's
+            or loss's error is still raised here).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class CompiledSteps:
         shardings: TrainState | None = None,
         grads_like: Callable[[Any], Any] | None = None,
         interrupted: Callable[[], bool] | None = None,
+        defer: bool = False,
     ) -> None:
         started = time.perf_counter()
         self.compile_seconds = 0.0
@@ -140,7 +144,9 @@ class CompiledSteps:
         self._closing_groups: dict[int, Any] = {}
         self._close_interval: Callable[..., Any]
         self._copy: Callable[..., Any]
-        self._schedule(first, program, needed, later, plan, placement, shardings)
+        if defer:
+            needed = []  # every program compiles when first called
+        self._schedule(first, program, needed, later, plan, placement, shardings, defer)
         self.compile_seconds += time.perf_counter() - started
 
     def _schedule(
@@ -152,8 +158,10 @@ class CompiledSteps:
         plan: DispatchPlan,
         placement: Placement,
         shardings: TrainState | None,
+        defer: bool = False,
     ) -> None:
-        r"""Compiles the first variant here, and schedules the rest: the other
+        r"""Compiles the first variant here (when first called, with
+        `defer`), and schedules the rest: the other
         needed ones on the background thread (while the first steps run:
         compiled beside it, they would only share the cores with it), the
         others, and the interval's separate close (needed only when an
@@ -163,7 +171,12 @@ class CompiledSteps:
             1, thread_name_prefix="flax_loop-compile"
         )
         try:
-            self.programs[first] = program.compile()
+            if defer:
+                self.programs[first] = Compiling(
+                    program.compile, self.programs, first, waited=self._waited
+                )
+            else:
+                self.programs[first] = program.compile()
             for name, compile in later.items():
                 if name in needed:
                     future = background.submit(compile)
@@ -185,10 +198,8 @@ class CompiledSteps:
                 waited=self._waited,
             )
             # every checkpoint copies the state
-            self._copy = Compiling(
-                background.submit(functools.partial(self._compile_copy, placement)),
-                waited=self._waited,
-            )
+            copy = functools.partial(self._compile_copy, placement)
+            self._copy = Compiling(copy if defer else background.submit(copy), waited=self._waited)
         finally:
             background.shutdown(wait=False)  # the thread ends after the last one
 
