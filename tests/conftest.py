@@ -72,13 +72,17 @@ def fresh_console():
 
 @pytest.fixture
 def without_compilation_cache():
-    """For tests that count or time compilations: every compilation really compiles.
+    """For tests that count or time compilations: every compilation really compiles
+    (JAX's persistent cache off, flax_loop's programs of earlier loops forgotten).
 
     JAX decides whether to use the cache once per process, so the decision is
     reset on both sides of the change (a config update alone changes nothing).
     """
     from jax.experimental.compilation_cache import compilation_cache
 
+    from flax_loop.step import cache
+
+    cache.clear()  # nor the programs an earlier loop of this process compiled
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     yield

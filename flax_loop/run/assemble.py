@@ -120,7 +120,7 @@ def assemble(
     finished = start.path is not None and 0 < n_steps <= step  # nothing left to train
     steps = _compiled(
         layout.step, placement, state, feed, step_key, plan, shardings, objective, interrupted,
-        finished,
+        finished, layout.program_key,
     )  # fmt: skip
     trained_part = objective.trained(start.model_params)
     intervals = Intervals(
@@ -226,13 +226,14 @@ def _start(
         reader,
         layout.fields_layout,
         layout.step,
+        layout.program_key,
     )
     if start.path is not None:
         key = run_key(start, key, stdout)
         feed.restore(start.data_state, stdout)
         log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
     step = distributed.agree("the step to resume from", start.step)
-    step_key: Any = placement.replicate(run_once(train_key, None, key))
+    step_key: Any = placement.replicate(run_once(train_key, None, key, key="train key"))
     frozen = objective.frozen_arrays()
     if frozen is not None:  # beside the key: replicated, never donated
         step_key = StepInputs(step_key, placement.replicate(frozen))
@@ -279,6 +280,7 @@ def _compiled(
     objective: Objective,
     interrupted: Callable[[], bool] | None,
     defer: bool = False,
+    program_key: Any = None,
 ) -> CompiledSteps:
     r"""The step compiled for the plan's first dispatch (the others compiling
     behind it); an error raised while tracing says what the step was traced
@@ -295,6 +297,7 @@ def _compiled(
             objective.grads_like,
             interrupted,
             defer,
+            program_key,
         )
     except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError) as error:
         first = str(error).strip().splitlines()[0]

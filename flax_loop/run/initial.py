@@ -12,7 +12,7 @@ r"""The state training starts from: a model's `init`, or a checkpoint file.
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
 from flax_loop.run.hand import task_hyperparams
+from flax_loop.step.cache import identity
 from flax_loop.step.core import CORE, Fields, Step
 from flax_loop.step.modules import NNXModel
 from flax_loop.step.objective import SOWN, Objective
@@ -112,6 +113,7 @@ def initial_state(
     reader: Reader | None = None,
     layout: Layout | None = None,
     step: Step | None = None,
+    program_key: Hashable | None = None,
 ) -> CheckpointFile:
     r"""The newest file of `reader`'s directory, or a fresh initialization at
     step 0 (a `CheckpointFile` whose `path` is `None`).
@@ -175,8 +177,15 @@ def initial_state(
             return _with_task_hyperparams(
                 dataclasses.replace(restored, step=int(restored.step)), optimizer
             )
+    # a linen init by identity, with the labels and the optimizers of the
+    # program key; an NNX module's init returns its own values (constants of
+    # the program): compiled each time
+    key = None
+    if program_key is not None and not isinstance(getattr(init, "__self__", None), NNXModel):
+        labels = tuple(init_labels)
+        key = ("init", identity(init), labels, identity(mutable_collections), program_key)
     params, model_state, optimizer_state = _guarded(
-        lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
+        lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
 

@@ -8,13 +8,14 @@ the step declares are laid out by their `Field`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from flax_loop.parallel import Placement
 from flax_loop.run.initial import parameter_annotations
 from flax_loop.run.options import Options
 from flax_loop.step.build import task_step
+from flax_loop.step.cache import identity
 from flax_loop.step.core import Step
 from flax_loop.step.objective import Objective
 from flax_loop.step.sharding import Sharding, chosen_sharding, is_replicated, state_shardings
@@ -37,6 +38,10 @@ class StepLayout:
 
     shardings_of: Callable[[TrainState], TrainState]
     r"""the state's shardings, given the state."""
+
+    program_key: Hashable
+    r"""what determines the step's programs but the shapes they take
+    (`flax_loop.step.cache`)."""
 
     @property
     def sharded(self) -> bool:
@@ -86,4 +91,18 @@ class StepLayout:
                 step.fields,
             )
 
-        return cls(step, sharding, annotations, shardings_of)
+        program_key = (
+            objective.key(),
+            identity(getattr(task, "update", None)),
+            identity(getattr(task, "transforms", ())),
+            getattr(task, "data", None) is not None,
+            options.ema_decay,
+            options.nonfinite,
+            identity(sharding),
+            identity(annotations),
+            options.fsdp_min_bytes,
+            tuple(placement.devices),
+            placement.mesh,
+            placement.batch_axis,
+        )
+        return cls(step, sharding, annotations, shardings_of, program_key)

@@ -12,7 +12,7 @@ the rest only when first called (`CompiledSteps`).
 import concurrent.futures
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -21,6 +21,8 @@ import numpy as np
 from flax_loop.data.batch import Batch
 from flax_loop.data.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.parallel import Placement
+from flax_loop.step import cache
+from flax_loop.step.cache import identity, signature
 from flax_loop.step.lowering import lower_update
 from flax_loop.step.state import TrainState
 from flax_loop.step.statistics import Update
@@ -29,7 +31,6 @@ from flax_loop.step.variants import (
     Variants,
     abstract,
     compile_close,
-    compile_lowered,
     packing_of,
     run_once_options,
 )
@@ -68,6 +69,10 @@ class CompiledSteps:
         defer: compile nothing until a program is first called (a run with
             nothing left to train: its first variant is traced, so a model's
             or loss's error is still raised here).
+        program_key: what determines the programs but their arguments'
+            shapes (`flax_loop.step.cache`): a later `CompiledSteps` of the same
+            key and shapes in this process takes the programs compiled here;
+            `None` compiles every program anew.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class CompiledSteps:
         grads_like: Callable[[Any], Any] | None = None,
         interrupted: Callable[[], bool] | None = None,
         defer: bool = False,
+        program_key: Hashable | None = None,
     ) -> None:
         started = time.perf_counter()
         self.compile_seconds = 0.0
@@ -101,8 +107,9 @@ class CompiledSteps:
         closing = sample_batch(plan.closing_steps) if plan.closing_steps else None
         self._stacked = stacked
         variants = Variants(
-            update, placement, key, plan, (batch, stacked, closing), self.grads_like
+            update, placement, key, plan, (batch, stacked, closing), self.grads_like, program_key
         )
+        self._variants = variants
         packed, program, state, shardings, packing, mode = variants.first(
             first, state, shardings, packing
         )
@@ -131,12 +138,12 @@ class CompiledSteps:
         names += [MANY_LAST] if plan.closing_steps else []
         later = {
             name: functools.partial(
-                compile_lowered,
-                functools.partial(variants.lower, name, self._abstract, shardings, mode, packing),
+                variants.compiled, name, self._abstract, shardings, mode, packing
             )
             for name in names
             if name != first
         }
+        self._shardings = shardings
         self.programs: dict[str, Any] = {SHORTER: self._shorter_step}
         r"""the program of each variant, by name (`flax_loop.data.feed`)."""
         # the closing groups compiled (or compiling), by size: a changed cadence
@@ -152,7 +159,7 @@ class CompiledSteps:
     def _schedule(
         self,
         first: str,
-        program: jax.stages.Lowered,
+        program: Callable[[], Any],
         needed: list[str],
         later: Mapping[str, Callable[[], Any]],
         plan: DispatchPlan,
@@ -172,11 +179,9 @@ class CompiledSteps:
         )
         try:
             if defer:
-                self.programs[first] = Compiling(
-                    program.compile, self.programs, first, waited=self._waited
-                )
+                self.programs[first] = Compiling(program, self.programs, first, waited=self._waited)
             else:
-                self.programs[first] = program.compile()
+                self.programs[first] = program()
             for name, compile in later.items():
                 if name in needed:
                     future = background.submit(compile)
@@ -192,9 +197,14 @@ class CompiledSteps:
             grads = self.grads_like(self._unpacked.model_params)
             replicated = placement.replicated
             closing_layout = (replicated if shardings is None else shardings, replicated)
-            packing, abstract = self.packing, self._abstract
+            packing, shapes = self.packing, self._abstract
+            key = self._variants.cache_key(
+                "close", signature(shapes), signature(grads), identity(closing_layout)
+            )
             self._close_interval = Compiling(
-                lambda: compile_close(packing, closing_layout, abstract, grads),
+                lambda: cache.compiled(
+                    key, lambda: compile_close(packing, closing_layout, shapes, grads)
+                ),
                 waited=self._waited,
             )
             # every checkpoint copies the state
@@ -242,8 +252,11 @@ class CompiledSteps:
             lowering = functools.partial(
                 self._lower, self._abstract, closing, n_steps=size, with_grads=True, closing=True
             )
+            key = self._variants.cache_key(
+                "closing group", size, signature(self._abstract), signature(self._shardings)
+            )
             program = Compiling(
-                functools.partial(compile_lowered, lowering),
+                functools.partial(cache.compiled, key, lambda: lowering().compile()),
                 self.programs,
                 MANY_LAST,
                 waited=self._waited,
@@ -263,8 +276,14 @@ class CompiledSteps:
 
         shapes = jax.tree.map(abstract, self.state)
         # slices and copies: compiled as the initial state is, for a short compilation
-        copying = jax.jit(copy, out_shardings=placement.replicated).lower(shapes)
-        return copying.compile(run_once_options())
+        return cache.compiled(
+            self._variants.cache_key("copy", signature(shapes)),
+            lambda: (
+                jax.jit(copy, out_shardings=placement.replicated)
+                .lower(shapes)
+                .compile(run_once_options())
+            ),
+        )
 
     def copier(self) -> Callable[[Any], dict[str, Any]]:
         r"""`copy(state)`: the saved state's arrays (`TrainState.saved_arrays`)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -189,6 +189,37 @@ class Objective:
         self._frozen = frozen
         self._partitions: list[Partition] | None = None
         self._passes_frozen = frozen is not None and not supervised
+        self.losses: Any = None
+        r"""the task's loss functions as it gave them (`loss`, `compute_loss`),
+        for `key` (a supervised part's loss is a wrapper of its own)."""
+
+    def key(self) -> Hashable:
+        r"""What determines the step this objective computes, as a cache key
+        (`flax_loop.step.cache`): the model (an NNX module by its graph
+        definition, a linen `apply` by identity), the losses, each part's
+        optimizer and trainable filter, the RNG labels, the mutable
+        collections, the frozen models and the batches' structure."""
+        from flax_loop.step.cache import identity
+
+        model = self._nnx.graphdef if self._nnx is not None else identity(self._apply)
+        frozen = tuple(
+            (name, self._frozen_nnx[name].graphdef if name in self._frozen_nnx else identity(value))
+            for name, value in (self._frozen or {}).items()
+        )
+        parts = tuple(
+            (part.name, identity(part.optimizer), identity(part.trainable)) for part in self.parts
+        )
+        tree = None if self.batch_tree is None else self.batch_tree.treedef
+        return (
+            model,
+            identity(self.losses),
+            parts,
+            tuple(self.rng_labels),
+            identity(self.mutable_collections),
+            frozen,
+            self.supervised,
+            tree,
+        )
 
     @classmethod
     def of(
@@ -222,7 +253,11 @@ class Objective:
             ]
         else:
             parts = [Part(None, losses, optimizer, trainable)]
-        return cls(parts, apply, rng_labels, mutable_collections, frozen, supervised, batch_tree)
+        objective = cls(
+            parts, apply, rng_labels, mutable_collections, frozen, supervised, batch_tree
+        )
+        objective.losses = getattr(task, "loss", None) or compute_loss
+        return objective
 
     # -- parameters and optimizer states ------------------------------------
 

@@ -11,7 +11,7 @@ import concurrent.futures
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -20,6 +20,8 @@ import numpy as np
 from flax_loop.data.batch import Batch
 from flax_loop.data.feed import LAST, MANY, MANY_LAST, DispatchPlan
 from flax_loop.parallel import Placement
+from flax_loop.step import cache
+from flax_loop.step.cache import identity, signature
 from flax_loop.step.lowering import lower_update
 from flax_loop.step.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
 from flax_loop.step.state import TrainState, close_interval
@@ -134,9 +136,39 @@ class Variants:
         plan: DispatchPlan,
         batches: tuple[Batch, Batch | None, Batch | None],
         grads_like: Callable[[Any], Any],
+        program_key: Hashable | None = None,
     ) -> None:
         self.update, self.placement, self.key, self.plan = update, placement, key, plan
         self.batches, self.grads_like = batches, grads_like
+        self.program_key = program_key
+        r"""what determines the programs but their arguments' shapes, or `None`
+        (compile every program: `flax_loop.step.cache`)."""
+        self.unpacked: Hashable = None
+        r"""the unpacked state's signature (the programs unpack it), once
+        `first` settled it."""
+
+    def cache_key(self, *parts: Any) -> Hashable | None:
+        r"""A program's cache key: the task's, the state's unpacked form, the
+        plan, the batches and the key it was planned with, and `parts`."""
+        if self.program_key is None:
+            return None
+        plan = (self.plan.steps_per_dispatch, self.plan.closing_steps)
+        batches = signature(self.batches)
+        return (self.program_key, self.unpacked, plan, batches, signature(self.key), *parts)
+
+    def compiled(
+        self,
+        name: str,
+        state: Any,
+        shardings: TrainState | None,
+        mode: str,
+        packing: Packing | None,
+    ) -> Any:
+        r"""The variant `name` compiled (once a process for its key)."""
+        key = self.cache_key("variant", name, mode, signature(state), signature(shardings))
+        return cache.compiled(
+            key, lambda: self.lower(name, state, shardings, mode, packing).compile()
+        )
 
     def lower(
         self,
@@ -160,20 +192,30 @@ class Variants:
 
     def first(
         self, name: str, state: TrainState, shardings: TrainState | None, packing: Packing | None
-    ) -> tuple[Any, jax.stages.Lowered, TrainState, TrainState | None, Packing | None, str]:
-        r"""The first variant lowered: `(packed state, lowered, state,
-        shardings, packing, mode)`, the state with a sum for each metric the
-        step reports, and the mode the placement and the model need."""
+    ) -> tuple[Any, Callable[[], Any], TrainState, TrainState | None, Packing | None, str]:
+        r"""The first variant lowered: `(packed state, compile, state,
+        shardings, packing, mode)`, `compile()` its program, the state with
+        a sum for each metric the step reports, and the mode the placement
+        and the model need. A re-run of a step this process lowered before
+        takes what that first lowering found, and lowers nothing."""
         placement = self.placement
         if shardings is not None:
             mode = "gspmd"
         else:
             mode = "shard_map" if placement.n_devices > 1 else "jit"
+        first_key = self.cache_key("first", name, signature(state), signature(shardings))
+        known = cache.found(first_key)
+        if known is not None:
+            mode, names = known
+            if names is not None:
+                state, shardings = with_sums(state, shardings, names, placement)
+                packing = packing_of(state) if packing is not None else None
+            packed = self._packed(state, packing)
+            compile = self._compile_first(name, packed, shardings, mode, packing)
+            return packed, compile, state, shardings, packing, mode
 
         def lowered() -> tuple[Any, jax.stages.Lowered]:
-            packed = (
-                state if packing is None else run_once(packing.pack, placement.replicated, state)
-            )
+            packed = self._packed(state, packing)
             return packed, self.lower(name, packed, shardings, mode, packing)
 
         try:
@@ -189,11 +231,37 @@ class Variants:
                 mode = "shard_map"
                 packed, program = lowered()
         except LayoutChanged as changed:  # the step reports metrics: carry their sums
-            state, shardings = with_sums(state, shardings, changed.state.metric_sums, placement)
+            names = tuple(changed.state.metric_sums)
+            state, shardings = with_sums(state, shardings, names, placement)
             if packing is not None:
                 packing = packing_of(state)
             packed, program = lowered()
-        return packed, program, state, shardings, packing, mode
+        else:
+            names = None
+        cache.keep(first_key, (mode, names))
+        key = self.cache_key(
+            "variant", name, mode, signature(jax.tree.map(abstract, packed)), signature(shardings)
+        )
+        return packed, lambda: cache.compiled(key, program.compile), state, shardings, packing, mode
+
+    def _packed(self, state: TrainState, packing: Packing | None) -> Any:
+        r"""The state as the programs take it (packed, when it travels so)."""
+        self.unpacked = signature(state)
+        if packing is None:
+            return state
+        replicated = self.placement.replicated
+        return run_once(packing.pack, replicated, state, key=("pack", self.unpacked))
+
+    def _compile_first(
+        self,
+        name: str,
+        packed: Any,
+        shardings: TrainState | None,
+        mode: str,
+        packing: Packing | None,
+    ) -> Callable[[], Any]:
+        shapes = jax.tree.map(abstract, packed)
+        return lambda: self.compiled(name, shapes, shardings, mode, packing)
 
 
 def compile_close(packing: Packing | None, shardings: Any, state: Any, grads: Any) -> Any:
@@ -220,11 +288,21 @@ def abstract(leaf: Any) -> jax.ShapeDtypeStruct:
 _LEVEL = "xla_backend_optimization_level"
 
 
-def run_once(fn: Callable[..., Any], out_shardings: Any, *args: Any) -> Any:
+def run_once(
+    fn: Callable[..., Any], out_shardings: Any, *args: Any, key: Hashable | None = None
+) -> Any:
     r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
-    once (an initialization), compiled with `run_once_options()`."""
-    lowered = jax.jit(fn, out_shardings=out_shardings).lower(*args)
-    return lowered.compile(compiler_options=run_once_options())(*args)
+    once (an initialization), compiled with `run_once_options()`; with a
+    `key` (what determines `fn`: `flax_loop.step.cache`), compiled once a
+    process for the arguments' shapes."""
+
+    def compile() -> Any:
+        lowered = jax.jit(fn, out_shardings=out_shardings).lower(*args)
+        return lowered.compile(compiler_options=run_once_options())
+
+    if key is not None:
+        key = ("run once", key, signature(args), identity(out_shardings))
+    return cache.compiled(key, compile)(*args)
 
 
 def run_once_options() -> dict[str, Any] | None:

@@ -1,0 +1,122 @@
+r"""Programs compiled once a process: a re-run (a notebook cell run again, a
+second `TrainLoop` of the same task) reuses what the first compiled.
+
+A program is keyed by what determines it: the task's functions and
+objects by identity (the model's `apply`, the loss, the optimizer, the
+transforms, as `jax.jit` keys a function), an NNX model by its graph
+definition, the options that shape the step, and the shapes, dtypes and
+layouts of everything the program takes. A changed model, loss, optimizer,
+shape or device set is another key, and compiles anew. The cache keeps the
+newest `MAX_PROGRAMS` programs, and the objects of their keys alive.
+
+>>> import jax.numpy as jnp
+>>> built = []
+>>> def compile_it():
+...     built.append(1)
+...     return "program"
+>>> key = ("example", signature(jnp.ones(3)))
+>>> compiled(key, compile_it), compiled(key, compile_it), len(built)
+('program', 'program', 1)
+"""
+
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+MAX_PROGRAMS = 64
+r"""The compiled programs a process keeps (the newest)."""
+
+_programs: "OrderedDict[Hashable, Any]" = OrderedDict()
+_lock = threading.Lock()  # the background compilation thread uses it too
+
+_T = TypeVar("_T")
+
+
+class Identity:
+    r"""An object compared by identity (and kept alive by the key that holds it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Identity) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+
+def identity(value: Any) -> Hashable:
+    r"""A key part for one of the task's objects: plain values by value,
+    containers by their items, a bound method by its object and function,
+    anything else by identity."""
+    if value is None or isinstance(value, (str, int, float, bool, bytes)):
+        return value
+    if isinstance(value, types.MethodType):
+        return ("method", Identity(value.__self__), Identity(value.__func__))
+    if isinstance(value, Mapping):
+        return ("map", tuple((identity(k), identity(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return ("seq", type(value).__name__, tuple(identity(item) for item in value))
+    if isinstance(value, (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.PartitionSpec)):
+        return value  # compared by value
+    return Identity(value)
+
+
+def _leaf(leaf: Any) -> Hashable:
+    sharding = getattr(leaf, "sharding", None)
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(leaf).dtype
+    return (tuple(np.shape(leaf)), str(dtype), sharding, bool(getattr(leaf, "weak_type", False)))
+
+
+def signature(tree: Any) -> Hashable:
+    r"""A tree's structure and each leaf's shape, dtype, layout and weak type."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple(_leaf(leaf) for leaf in leaves))
+
+
+def compiled(key: Hashable | None, compile: Callable[[], _T]) -> _T:
+    r"""The program of `key`, compiled (by `compile()`) once a process;
+    `key=None` compiles it every time."""
+    if key is None:
+        return compile()
+    with _lock:
+        found = _programs.get(key)
+        if found is not None:
+            _programs.move_to_end(key)
+            return found
+    program = compile()
+    with _lock:
+        _programs[key] = program
+        while len(_programs) > MAX_PROGRAMS:
+            _programs.popitem(last=False)
+    return program
+
+
+def found(key: Hashable | None) -> Any:
+    r"""What `keep(key, ...)` kept (what a program's first trace found out:
+    the metrics a step reports, the lowering it needs), or `None`."""
+    if key is None:
+        return None
+    with _lock:
+        return _programs.get(("found", key))
+
+
+def keep(key: Hashable | None, value: Any) -> None:
+    r"""Keeps `value` for `found(key)`."""
+    if key is not None:
+        compiled(("found", key), lambda: value)
+
+
+def clear() -> None:
+    r"""Forgets every program (the next loop compiles its own)."""
+    with _lock:
+        _programs.clear()

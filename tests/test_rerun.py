@@ -1,0 +1,89 @@
+"""A re-run in one process (a notebook cell run again) compiles nothing: a
+second `TrainLoop` of the same model, task functions, shapes and devices
+takes the first's programs and computes the same bits; a changed model,
+loss, optimizer, shape or device set compiles anew."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.flags import xla_flags
+from tests.helpers import ROOT
+
+PROGRAM = textwrap.dedent(
+    """
+    import json, os
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # JAX's own cache: off
+    import jax, numpy as np, optax, flax.linen as nn
+    from flax_loop import TrainLoop, TrainTask
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, duration, **kwargs: compiles.append(name)
+        if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+
+    class MLP(nn.Module):
+        width: int = 32
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(self.width)(x)))
+
+    def cross_entropy(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def squared(logits, labels):
+        return ((logits - jax.nn.one_hot(labels, 10)) ** 2).mean()
+
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(32, 16)).astype(np.float32), rng.integers(0, 10, 32)) for _ in range(8)]
+    model, adam = MLP(), optax.adam(1e-2)
+
+    def run(model=model, optimizer=adam, loss=cross_entropy, batch=32, devices=1):
+        before = len(compiles)
+        loop = TrainLoop(
+            init=model.init,
+            task=TrainTask(model.apply, optimizer, loss, [(x[:batch], y[:batch]) for x, y in data]),
+            rnkey=jax.random.key(0), n_steps=12, n_steps_per_checkpoint=6,
+            devices=jax.devices()[:devices], stdout=False,
+        )
+        *_, last = loop
+        loop.compiled.wait()
+        params = [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(last.model_params)]
+        return len(compiles) - before, params
+
+    first, params = run()
+    again, params_again = run()
+    report = {
+        "first": first, "again": again, "same": params_again == params,
+        "other_model": run(model=MLP(width=48))[0],
+        "other_loss": run(loss=squared)[0],
+        "other_optimizer": run(optimizer=optax.sgd(0.1))[0],
+        "other_shape": run(batch=16)[0],
+        "other_devices": run(devices=2)[0],
+        "same_model_anew": run(model=MLP())[0],
+    }
+    print("REPORT", json.dumps(report))
+    """
+)
+
+
+def test_a_rerun_compiles_nothing_and_a_changed_task_compiles_anew():
+    result = subprocess.run(
+        [sys.executable, "-c", PROGRAM],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "XLA_FLAGS": xla_flags(4)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT", 1)[1])
+    assert report["first"] >= 3  # the init, the step's variants, the copy
+    assert report["again"] == 0 and report["same"]
+    for changed in ("other_model", "other_loss", "other_optimizer", "other_shape", "other_devices"):
+        assert report[changed] >= 2, (changed, report)
+    # a new module of the same class is another object: its programs compile anew
+    assert report["same_model_anew"] >= 2, report
