@@ -389,7 +389,7 @@ def test_listing_races_a_pruning_writer_without_error(tmp_path):
 def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monkeypatch):
     import optax
 
-    from flax_loop.step import compiled
+    from flax_loop.step import cache
     from tests.helpers import ResumableBatches, relative_difference
 
     def run(source):
@@ -403,16 +403,16 @@ def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monk
         )
 
     straight = list(run(ResumableBatches(X_TRAIN, Y_TRAIN, 32)))
-    compile_now = compiled.compile_lowered
+    compile_now = cache.compiled
 
     released = threading.Event()  # the background thread's compilations wait for it
 
-    def held_compile(lowering):
+    def held_compile(key, compile):
         if threading.current_thread() is not threading.main_thread():
             assert released.wait(60), "the test did not release the compilation"
-        return compile_now(lowering)
+        return compile_now(key, compile)
 
-    monkeypatch.setattr(compiled, "compile_lowered", held_compile)
+    monkeypatch.setattr(cache, "compiled", held_compile)
     found = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         source = ResumableBatches(X_TRAIN, Y_TRAIN, 32)
@@ -500,7 +500,6 @@ def test_a_variable_whose_dtype_a_step_changes_is_named_in_both_layouts(monkeypa
     import jax.numpy as jnp
 
     from flax_loop.errors import ApplyError
-    from flax_loop.step import compiled
     from tests.helpers import MLP
 
     class Counting(nn.Module):

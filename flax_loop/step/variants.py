@@ -27,11 +27,6 @@ from flax_loop.step.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_p
 from flax_loop.step.state import TrainState, close_interval
 from flax_loop.step.statistics import Update
 
-
-def compile_lowered(lowering: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
-    return lowering().compile()
-
-
 _POLL_SECONDS = 0.05
 
 
