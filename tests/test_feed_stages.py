@@ -34,6 +34,23 @@ def test_checked_batches_name_the_step_of_a_batch_that_does_not_match_the_first(
         checked.read(for_step=2)
 
 
+def test_batches_of_any_structure_pass_as_their_leaves_and_a_changed_one_is_named():
+    from flax_loop.data.batch import BatchTree
+
+    def image(value=0.0, features=3):
+        return {"image": np.full((8, features), value, np.float32), "label": np.zeros(8, np.int32)}
+
+    stream = [image(), image(1.0), image(2.0, features=4), {"image": np.zeros((8, 3))}]
+    checked = CheckedBatches(stream, Placement(), BatchTree())
+    checked.accept_first(checked.read(for_step=1))
+    second = checked.read(for_step=2)  # the same structure and spec: its leaves as they are
+    assert second[1] == () and second[0][0] is stream[1]["image"]
+    with pytest.raises(BatchError, match="step 3"):
+        checked.read(for_step=3)  # another shape
+    with pytest.raises(BatchError, match="step 4.*structure differs"):  # a key less
+        checked.read(for_step=4)
+
+
 def test_a_shorter_last_batch_is_kept_when_it_splits_and_the_next_epoch_follows():
     checked = CheckedBatches([batch(value=1), batch(value=2), batch(size=4, value=3)], Placement())
     checked.accept_first(checked.read(1))

@@ -174,6 +174,8 @@ class CheckedBatches:
         r"""the first batch's spec, once accepted (`accept_first`)."""
         self._size = 0
         self._plain: tuple[Any, ...] | None = None  # the spec of a plain (x, y)
+        # a batch of any structure (`BatchTree`): its structure and leaves' spec
+        self._leaves: tuple[Any, tuple[Any, ...]] | None = None
         self._noted_drop = False
 
     def accept_first(self, first: Batch | None) -> Batch:
@@ -202,6 +204,9 @@ class CheckedBatches:
         self._size = self.spec.batch_size
         if len(self.spec.inputs) == len(self.spec.targets) == 1:
             self._plain = (*self.spec.inputs[0], *self.spec.targets[0])
+        tree = getattr(self._normalize, "treedef", None)
+        if tree is not None and not self.spec.targets:
+            self._leaves = (tree, self.spec.inputs)
         return first
 
     def read(self, for_step: int) -> Batch | None:
@@ -242,6 +247,14 @@ class CheckedBatches:
                 and y.dtype == y_dtype
             ):
                 return (x,), (y,)
+        leaves_spec = self._leaves
+        if leaves_spec is not None:  # a batch of any structure, numpy leaves of the spec
+            leaves, treedef = jax.tree.flatten(raw)
+            if treedef == leaves_spec[0] and all(
+                type(leaf) is np.ndarray and leaf.shape == shape and leaf.dtype == dtype
+                for leaf, (shape, dtype) in zip(leaves, leaves_spec[1])
+            ):
+                return tuple(leaves), ()
         spec = self.spec
         try:
             batch = self._normalize(raw)
