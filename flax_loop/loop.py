@@ -101,8 +101,10 @@ class TrainLoop:
         devices: the devices to train on; all of them by default.
         stdout: whether to print the model's size, the set-up time and notes.
         nonfinite: what a NaN or infinite loss or gradient does: "raise" (a
-            `NonFiniteError` naming the first bad step, raised at the next
-            checkpoint) or "skip" (that step's update is not applied).
+            `NonFiniteError` naming the first step whose loss was not finite,
+            raised at the next checkpoint; a step checks its loss, so a
+            non-finite gradient with a finite loss is named a step late) or
+            "skip" (that step's update is not applied).
         progress: whether to show a progress bar (step, steps/s, ETA, the
             latest checkpoint's loss); plain lines when stdout is not a
             terminal. It never waits for the devices.

@@ -31,7 +31,9 @@ def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
         nonfinite="raise",
     )
     assert loop.next_checkpoint().step == 5
-    with pytest.raises(NonFiniteError, match=r"at step 7 \(detected at step 10\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"first at step 7 .*may have come at step 6.*detected at step 10"
+    ):
         loop.next_checkpoint()
 
 
@@ -106,5 +108,5 @@ def test_a_nonfinite_gradient_with_a_finite_loss_is_caught_at_the_checkpoint():
         n_steps_per_checkpoint=5,
         stdout=False,
     )
-    with pytest.raises(NonFiniteError, match=r"between steps 1 and 5 \(detected at step 5\)"):
+    with pytest.raises(NonFiniteError, match=r"between steps 1 and 5; detected at step 5"):
         loop.next_checkpoint()

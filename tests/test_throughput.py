@@ -166,3 +166,20 @@ def test_peaks_are_looked_up_by_device_kind():
 def test_bad_throughput_options_are_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):
         run(n_steps=1, every=1, **options)
+
+
+def test_flops_are_read_from_several_steps_a_dispatch_too():
+    model = Dense3()
+    loop = TrainLoop(
+        model.init,
+        TrainTask(model.apply, optax.adam(1e-3), cross_entropy, dense_batches()),
+        jax.random.key(0),
+        n_steps=16,
+        n_steps_per_checkpoint=8,
+        steps_per_dispatch=4,
+        devices=jax.devices()[:1],
+        stdout=False,
+    )
+    for checkpoint in loop:  # only the groups of four compile: no single step
+        assert checkpoint.throughput["flops_per_step"] == pytest.approx(by_hand(), rel=0.10)
+    assert loop.compiled.status()["one"] == "on first call"

@@ -248,10 +248,11 @@ class Checkpoint(Saved):
     r"""the interval's rates: `examples_per_second`; `tokens_per_second`
     when tokens are counted (`TrainTask(tokens=...)`, or integer inputs of
     shape (batch, length)); `flops_per_step` (XLA's count for the compiled
-    step, over every device) and `flops_per_second_per_device` where the
-    backend counts FLOPs; `mfu`, their fraction of the device's peak, where
-    that is known (`TrainLoop.peak_flops`). `{}` for a checkpoint not
-    made by a loop."""
+    step, over every device; XLA counts the body of a loop once, so for a
+    model that loops, in `lax.scan` or `fori_loop`, it is a lower bound)
+    and `flops_per_second_per_device` where the backend counts FLOPs;
+    `mfu`, their fraction of the device's peak, where that is known
+    (`TrainLoop.peak_flops`). `{}` for a checkpoint not made by a loop."""
 
 
 @dataclass

@@ -247,15 +247,19 @@ class Intervals:
 def _nonfinite(result: IntervalResult, start: int, step: int) -> NonFiniteError:
     r"""The error of an interval (after `start`, up to `step`) with a
     non-finite loss or gradient."""
-    where = (
-        f"at step {result.first_nonfinite}"
-        if result.first_nonfinite
-        else f"between steps {start + 1} and {step}"
-    )
+    if result.first_nonfinite:
+        # each step checks its loss; every gradient is checked at the checkpoint
+        where = (
+            f"the loss was NaN or infinite first at step {result.first_nonfinite} (a "
+            "non-finite gradient of a step whose loss was finite shows in the next "
+            f"step's loss: it may have come at step {max(result.first_nonfinite - 1, 1)})"
+        )
+    else:
+        where = f"a gradient or parameter was NaN or infinite between steps {start + 1} and {step}"
     return NonFiniteError(
-        f"The loss or a gradient was NaN or infinite {where} (detected at "
-        f"step {step}). Lower the learning rate, check the data for NaN or "
-        "Inf, or pass nonfinite='skip' to TrainLoop to skip such updates."
+        f"Training went non-finite: {where}; detected at step {step}. Lower the "
+        "learning rate, check the data for NaN or Inf, or pass nonfinite='skip' to "
+        "TrainLoop to skip such updates."
     )
 
 

@@ -87,9 +87,10 @@ def device_peak(device: Any) -> float | None:
 
 def step_flops(programs: Mapping[str, Any]) -> float | None:
     r"""The FLOPs of one step on one device, from XLA's cost analysis of a
-    compiled single step (`one`, else `last`), or `None` while neither is
-    compiled or when the backend does not count them."""
-    for name in ("one", "last"):
+    compiled single step (`one`, else `last`), else of several steps a
+    dispatch (`many`: XLA counts the body of its scan, one step, once), or
+    `None` while none is compiled or when the backend does not count them."""
+    for name in ("one", "last", "many"):
         analysis = getattr(programs.get(name), "cost_analysis", None)
         if analysis is None:
             continue
