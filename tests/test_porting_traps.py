@@ -192,3 +192,21 @@ def test_a_lora_model_trained_whole_is_said_at_set_up():
     said = shown.getvalue()
     assert said.count("the base too") == 1  # the run that trains the base too, alone
     assert "holds 148 LoRA parameters (nnx.LoRAParam) and every one of its 798" in said
+
+
+def test_a_coordinator_port_in_use_is_named_before_jax_is_asked():
+    import socket
+
+    from flax_loop import initialize_processes
+
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=rf"port {port} \('127.0.0.1:{port}'\) is in use"):
+            initialize_processes(
+                coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=0
+            )
+    finally:
+        taken.close()
