@@ -43,6 +43,9 @@ def main() -> None:
         "--slow-exit", type=float, default=0.0, help="seconds the last process takes to exit"
     )
     parser.add_argument("--sharding", default="replicated")
+    parser.add_argument(
+        "--width-of-process-1", type=int, default=0, help="process 1 builds another model"
+    )
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints in --dir")
     parser.add_argument("--keep", type=int, default=1)
     parser.add_argument(
@@ -134,6 +137,8 @@ def main() -> None:
         local_batches = functools.partial(pipeline, x, y, 32 // args.num_processes, 5, shard)
 
     model = MLP()
+    if args.width_of_process_1 and args.process_id == 1:
+        model = MLP(features=(args.width_of_process_1,))
     reader, writer_type = (
         (OrbaxCheckpointReader, OrbaxCheckpointWriter)
         if args.orbax

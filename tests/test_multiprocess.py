@@ -297,3 +297,12 @@ def test_a_process_whose_data_ends_early_exits_1_and_the_other_70(tmp_path):
     (code_0, output_0), (code_1, output_1) = results
     assert code_1 == 1 and "DataExhaustedError" in output_1, output_1[-3000:]
     assert code_0 == 70 and "process 1 failed" in output_0, output_0[-3000:]
+
+
+def test_processes_that_built_other_models_are_told_so_before_a_step():
+    results = launch(2, "--n-steps", "2", "--every", "1", "--width-of-process-1", "48")
+    for code, output in results:
+        assert code != 0, output[-2000:]
+        assert "The processes' training states differ: process 0 has" in output, output[-3000:]
+        assert "['model_params']['Dense_0']['bias'] (64,) float32" in output
+        assert "(48,) float32 (the first difference)" in output

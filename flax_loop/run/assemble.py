@@ -228,6 +228,8 @@ def _start(
         layout.step,
         layout.program_key,
     )
+    # processes that built other models must not meet in a collective
+    distributed.agree_on_structure("training states", start.arrays())
     if start.path is not None:
         key = run_key(start, key, stdout)
         feed.restore(start.data_state, stdout)
