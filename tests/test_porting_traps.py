@@ -2,6 +2,7 @@
 instead of training otherwise without a word."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -156,8 +157,6 @@ def test_a_frozen_teacher_is_taken_when_the_loop_is_made():
             teacher.kernel[...] = jnp.zeros_like(teacher.kernel[...])
         return loop.next_checkpoint()
 
-    import jax.numpy as jnp
-
     changed, unchanged = run(True), run(False)
     jax.tree.map(np.testing.assert_array_equal, changed.model_params, unchanged.model_params)
 
@@ -210,3 +209,47 @@ def test_a_coordinator_port_in_use_is_named_before_jax_is_asked():
             )
     finally:
         taken.close()
+
+
+def test_unclear_errors_of_the_ports_name_the_value_and_the_fix():
+    import flax.linen as nn
+
+    from flax_loop.errors import LossError
+
+    data = [(np.ones((8, 64), np.float32), np.arange(8) % 10)] * 2
+
+    def loop(model, loss=cross_entropy, **options):
+        return TrainLoop(
+            init=model.init,
+            task=TrainTask(model.apply, optax.sgd(0.1), loss, data),
+            rnkey=jax.random.key(0),
+            n_steps=1,
+            stdout=False,
+            **options,
+        )
+
+    def loss_and_list(logits, labels):  # metrics as a list, not a dict by name
+        return cross_entropy(logits, labels), [logits.mean(), logits.std()]
+
+    with pytest.raises(
+        LossError, match=r"returned a tuple of 2 \(.*list\).*\(loss, \{name: scalar\}\)"
+    ):
+        loop(MLP(features=(8,)), loss_and_list, devices=jax.devices()[:1])
+
+    class Counted(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            self.param("seen", lambda key: jnp.zeros((), jnp.int32))
+            return nn.Dense(10)(x)
+
+    with pytest.raises(ConfigError, match=r"parameter seen is int32.*another collection"):
+        loop(Counted(), devices=jax.devices()[:1])
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", "model"))
+            return nn.Dense(10, kernel_init=init)(x)
+
+    with pytest.raises(ConfigError, match=r"Dense_0/kernel: it lays 'model' over more than one"):
+        loop(Twice(), mesh=jax.make_mesh((2, 2), ("data", "model")))

@@ -94,7 +94,8 @@ class MLflowWriter:
 
     Training never waits long for the store, nor loses a metric to it: a
     write waits at most `timeout` seconds (the store is called from a thread
-    of the writer's own), and what the store did not take (it is down, it
+    of the writer's own), none while the store has not answered the last
+    one, and what the store did not take (it is down, it
     does not answer) is a note, kept and sent again with the next write and
     at `close()`. A metric name MLflow does not accept (`"top-1 (%)"`) is
     logged with each such character replaced by `_`, said once.
@@ -114,7 +115,7 @@ class MLflowWriter:
         experiment: str = "flax_loop",
         run_name: str | None = None,
         params: dict[str, Any] | None = None,
-        timeout: float = 30.0,
+        timeout: float = 5.0,
     ) -> None:
         if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ConfigError(f"timeout must be a positive number of seconds; got {timeout!r}.")
@@ -184,16 +185,19 @@ class MLflowWriter:
     def _send(self, what: str) -> bool:
         r"""Sends what the store has not taken, waiting at most `timeout`
         seconds; `False` (and a note) if it is not all taken by then."""
-        if self._sending is None or self._sending.done():
+        if self._sending is not None and not self._sending.done():
+            # the store has not answered the last send: no second wait for it
+            why = "it has not answered the last write yet"
+        else:
             self._sending = _in_thread(self._send_pending)
-        try:
-            self._sending.result(timeout=self.timeout)
-            return True
-        except concurrent.futures.TimeoutError:
-            why = f"it has not answered in {self.timeout:g} s"
-        except Exception as error:
-            _raise_if_refused(error, self.tracking_uri)
-            why = f"{type(error).__name__}: {str(error)[:300]}"
+            try:
+                self._sending.result(timeout=self.timeout)
+                return True
+            except concurrent.futures.TimeoutError:
+                why = f"it has not answered in {self.timeout:g} s"
+            except Exception as error:
+                _raise_if_refused(error, self.tracking_uri)
+                why = f"{type(error).__name__}: {str(error)[:300]}"
         with self._lock:
             n_kept = len(self._pending)
         log(

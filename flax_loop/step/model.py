@@ -113,6 +113,14 @@ def split_loss(value: Any, per_device: bool) -> tuple[jax.Array, dict[str, jax.A
 
 
 def check_loss(loss: Any, per_device: bool) -> jax.Array:
+    if isinstance(loss, (tuple, list)):
+        kinds = ", ".join(type(item).__name__ for item in loss)
+        raise LossError(
+            f"The loss function returned a {type(loss).__name__} of {len(loss)} ({kinds}); "
+            "it returns the loss, a floating-point scalar, or (loss, {name: scalar}) to "
+            "report training metrics: a dict by name, such as (loss, {'accuracy': acc}). "
+            "Other outputs (logits) stay inside it."
+        )
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):

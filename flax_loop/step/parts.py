@@ -34,7 +34,8 @@ import optax
 from jax.sharding import NamedSharding
 
 from flax_loop.data.batch import Batch
-from flax_loop.errors import ApplyError
+from flax_loop.errors import ApplyError, ConfigError
+from flax_loop.parallel import key_names
 from flax_loop.random import loss_key, step_keys
 from flax_loop.step.core import Context, Fields, Outcome, Step
 from flax_loop.step.model import split_loss
@@ -183,6 +184,7 @@ class _Parts:
         objective = self.objective
         if not self.partitions:
             self.partitions.extend(objective.partitions(fields["model_params"]))
+            _refuse_integers(objective, self.partitions, fields["model_params"])
         model_state = fields["model_state"]
         optimizer_states = objective.of_parts(fields["optimizer_state"])
         losses, all_grads, metrics = [], [], {}
@@ -222,3 +224,21 @@ def _refuse_written(bound: Any) -> None:
             "a value the step changes in TrainTask(carry=...) with update=..., or in a "
             "non-parameter nnx.Variable (its changes carry over from step to step)."
         )
+
+
+def _refuse_integers(objective: Objective, partitions: list[Any], params: Any) -> None:
+    r"""A `ConfigError` (while tracing) naming a trained parameter of an
+    integer or boolean dtype: it has no gradient."""
+    for part, partition in zip(objective.parts, partitions):
+        flat, _ = jax.tree_util.tree_flatten_with_path(partition.split(params))
+        for path, leaf in flat:
+            if leaf is not None and not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                name = "/".join(key_names(path))
+                raise ConfigError(
+                    f"The parameter {name} is {leaf.dtype}: an integer or boolean value "
+                    "has no gradient, so no optimizer can train it"
+                    + (f" ({part.name!r})" if part.name is not None else "")
+                    + ". Keep it in another collection than 'params' (self.variable("
+                    "'state', ...) in linen, an nnx.Variable that is no nnx.Param), or "
+                    "leave it out of training with TrainTask(trainable=...)."
+                )

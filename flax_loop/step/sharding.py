@@ -216,6 +216,16 @@ def _check_spec(
             f"{said} {spec} for {where} of shape {shape}: "
             "more entries than the leaf has dimensions."
         )
+    used = [
+        axis for axes in spec for axis in ((axes,) if isinstance(axes, str) else tuple(axes or ()))
+    ]
+    repeated = sorted({axis for axis in used if used.count(axis) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{said} {spec} for {where}: it lays {', '.join(map(repr, repeated))} over "
+            "more than one dimension; a mesh axis splits one dimension of an array. "
+            "Name it once (None for a dimension that is not split)."
+        )
     for dimension, axes in enumerate(spec):
         names_here = (axes,) if isinstance(axes, str) else tuple(axes or ())
         size = 1
