@@ -253,3 +253,44 @@ def test_unclear_errors_of_the_ports_name_the_value_and_the_fix():
 
     with pytest.raises(ConfigError, match=r"Dense_0/kernel: it lays 'model' over more than one"):
         loop(Twice(), mesh=jax.make_mesh((2, 2), ("data", "model")))
+
+
+def test_optimizers_resumed_in_another_order_are_refused(tmp_path):
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter
+    from flax_loop.errors import CheckpointMismatchError
+
+    model = MLP(features=(8,))
+    data = {"x": np.ones((8, 64), np.float32), "y": np.arange(8) % 10}
+
+    def loss(model, batch, *, rng, step):
+        return cross_entropy(model(batch["x"]), batch["y"])
+
+    def loop(names, init):
+        return TrainLoop(
+            init=init,
+            task=TrainTask(
+                model.apply,
+                {name: optax.sgd(0.1) for name in names},
+                data=[data] * 4,
+                compute_loss={name: loss for name in names},
+                trainable={"first": "Dense_0", "second": "Dense_1"}
+                if names[0] == "first"
+                else {"second": "Dense_1", "first": "Dense_0"},
+            ),
+            rnkey=jax.random.key(0),
+            n_steps=2,
+            input_sample=np.ones((1, 64), np.float32),
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+    checkpoint = loop(["first", "second"], model.init).next_checkpoint()
+    assert checkpoint.optimizer_names == ("first", "second")
+    CheckpointFileWriter(output_dir=str(tmp_path))(checkpoint)
+    reader = CheckpointFileReader(dir=str(tmp_path), target=model.init)
+    assert reader.read_newest().optimizer_names == ("first", "second")
+    with pytest.raises(
+        CheckpointMismatchError, match=r"order \['first', 'second'\]; the task runs \['second'"
+    ):
+        loop(["second", "first"], reader)
+    assert loop(["first", "second"], reader).step == 1  # the same order resumes

@@ -73,6 +73,10 @@ class Saved:
     r"""the data iterator's `get_state()` at this step, when it has one
     (restored with `set_state` on resume)."""
 
+    optimizer_names: tuple[str, ...] | None = field(default=None, kw_only=True, repr=False)
+    r"""with a dict of optimizers, their names in the order each step runs
+    them (a run resumed with another order is refused); `None` with one."""
+
     @property
     def ema_params(self) -> Any:
         r"""the exponential moving average of the parameters, with

@@ -32,6 +32,7 @@ from flax_loop.checkpoint._orbax_store import (
     reading,
     restore_tree,
 )
+from flax_loop.checkpoint._reader import _names
 from flax_loop.checkpoint.format import restore_key
 from flax_loop.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from flax_loop.log import log
@@ -166,6 +167,7 @@ class OrbaxCheckpointReader:
             version=FORMAT_VERSION,
             rnkey=restore_key(meta, where),
             data_state=meta.get("data_state"),
+            optimizer_names=_names(meta.get("optimizers")),
             path=where,
         )
 

@@ -110,6 +110,7 @@ class CheckpointFileReader:
                 data_state=meta.get("data_state"),
                 path=path,
                 left_out=LeftOut.from_meta(meta.get("frozen")),
+                optimizer_names=_names(meta.get("optimizers")),
             )
         if problems:
             raise CheckpointCorruptError(
@@ -255,3 +256,11 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
             ) from error
 
     return file.with_arrays({name: restored(name) for name in parts})
+
+
+def _names(stored: Any) -> tuple[str, ...] | None:
+    r"""The optimizers' order a file records (`None`: one optimizer, or a
+    file written before it was recorded)."""
+    if not isinstance(stored, list) or not all(isinstance(name, str) for name in stored):
+        return None
+    return tuple(stored)

@@ -277,6 +277,8 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
     }
     if file.left_out is not None:
         meta["frozen"] = file.left_out.to_meta()
+    if file.optimizer_names is not None:
+        meta["optimizers"] = list(file.optimizer_names)
     if file.rnkey is not None:
         impl, data = key_data(file.rnkey)
         meta["rnkey"] = {"impl": impl, "data": data.tolist()}

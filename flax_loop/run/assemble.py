@@ -134,6 +134,9 @@ def assemble(
         mirrors_params=tuple(
             name for name, field in layout.step.fields.items() if field.mirrors_params
         ),
+        optimizer_names=(
+            tuple(str(part.name) for part in objective.parts) if objective.keyed else None
+        ),
     )
     setup_seconds = time.perf_counter() - started
     runner = Runner(

@@ -29,7 +29,7 @@ from flax_loop.checkpoint import (
     put_back,
     taken_from,
 )
-from flax_loop.errors import ConfigError, FlaxLoopError, InitError
+from flax_loop.errors import CheckpointMismatchError, ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.random import init_key, into_collection, same_key
@@ -174,9 +174,9 @@ def initial_state(
             )
             return CheckpointFile(params, model_state, optimizer_state, step=0)
         if restored is not None:
-            return _with_task_hyperparams(
-                dataclasses.replace(restored, step=int(restored.step)), optimizer
-            )
+            restored = dataclasses.replace(restored, step=int(restored.step))
+            _check_optimizer_order(restored, optimizer)
+            return _with_task_hyperparams(restored, optimizer)
     # a linen init by identity, with the labels and the optimizers of the
     # program key; an NNX module's init returns its own values (constants of
     # the program): compiled each time
@@ -188,6 +188,22 @@ def initial_state(
         lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
+
+
+def _check_optimizer_order(restored: CheckpointFile, optimizer: Any) -> None:
+    r"""A `CheckpointMismatchError` when the file's optimizers ran in another
+    order than the task's (the step would run another algorithm)."""
+    parts = getattr(optimizer, "parts", None)
+    if parts is None or restored.optimizer_names is None or not optimizer.keyed:
+        return
+    names = tuple(part.name for part in parts)
+    if names != restored.optimizer_names:
+        raise CheckpointMismatchError(
+            f"{restored.path} was written by a step that ran its optimizers in the order "
+            f"{list(restored.optimizer_names)}; the task runs {list(names)}. A step runs "
+            "them in the dict's order: give task.optimizer (and compute_loss, "
+            "trainable) in the file's order, or start a new directory."
+        )
 
 
 def _with_task_hyperparams(restored: CheckpointFile, optimizer: Any) -> CheckpointFile:

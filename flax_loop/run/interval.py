@@ -109,6 +109,8 @@ class Intervals:
         frozen: which parameters no optimizer trains (`Checkpoint.frozen`).
         mirrors_params: the carried fields that mirror the parameters
             (`Checkpoint.mirrors_params`).
+        optimizer_names: the optimizers' names in the order a step runs them
+            (`Checkpoint.optimizer_names`), or `None` for one.
     """
 
     def __init__(
@@ -121,10 +123,12 @@ class Intervals:
         step: int,
         frozen: Any = None,
         mirrors_params: tuple[str, ...] = (),
+        optimizer_names: tuple[str, ...] | None = None,
     ) -> None:
         self._steps, self._placement, self._feed = steps, placement, feed
         self._frozen = frozen  # `Checkpoint.frozen`
         self._mirrors = mirrors_params  # `Checkpoint.mirrors_params`
+        self._optimizer_names = optimizer_names  # `Checkpoint.optimizer_names`
         self._rnkey, self._raise_nonfinite = rnkey, raise_nonfinite
         self.start = step
         r"""the step the current interval started after."""
@@ -193,7 +197,13 @@ class Intervals:
         elapsed = time.perf_counter() - started  # after _finish's wait for the devices
         self.start = step
         saved = SavedState(
-            None, None, None, step=step, rnkey=self._rnkey, data_state=self._feed.state(step)
+            None,
+            None,
+            None,
+            step=step,
+            rnkey=self._rnkey,
+            data_state=self._feed.state(step),
+            optimizer_names=self._optimizer_names,
         ).with_arrays(arrays)
         self._last = Checkpoint.from_saved(
             saved,
