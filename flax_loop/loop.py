@@ -32,7 +32,6 @@ In a notebook, `loop.next_checkpoint()` runs to the next multiple (or to
 from __future__ import annotations  # help(TrainLoop) shows the short type names
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,7 +43,7 @@ from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.errors import ConfigError, check_count
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.run.assemble import assemble
-from flax_loop.run.hand import with_hyperparams
+from flax_loop.run.hand import hyperparams_changer
 from flax_loop.run.initial import InitFn, Reader
 from flax_loop.run.options import DEFAULT_MUTABLE_COLLECTIONS, Collections, Options
 from flax_loop.run.preemption import quiet_interrupt
@@ -301,24 +300,7 @@ class TrainLoop:
         with the same structure, dtypes and shapes; the next step starts
         from it, without compiling again, and the next checkpoint (and its
         file) holds it. Writing to a `Checkpoint`'s arrays changes nothing.
-
-        >>> import jax, optax
-        >>> import numpy as np
-        >>> import flax.linen as nn
-        >>> from flax_loop import TrainLoop, TrainTask
-        >>> model = nn.Dense(3)
-        >>> def cross_entropy(logits, labels):
-        ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
-        >>> loop = TrainLoop(init=model.init, task=TrainTask(model.apply, optax.sgd(0.1),
-        ...                  cross_entropy, batches), rnkey=jax.random.key(0), n_steps=4,
-        ...                  stdout=False)
-        >>> _ = loop.next_checkpoint()
-        >>> loop.update_state(lambda saved: saved.map_arrays(
-        ...     lambda arrays: {**arrays, "model_params": jax.tree.map(
-        ...         np.zeros_like, arrays["model_params"])}))
-        >>> float(abs(loop.next_checkpoint().model_params["kernel"]).max()) < 0.1
-        True
+        `flax_loop.run.hand` shows a call.
 
         Raises:
             ConfigError: if `fn` returns another structure, dtype or shape.
@@ -335,27 +317,7 @@ class TrainLoop:
             ConfigError: for an optimizer without injected hyperparameters, a
                 hyperparameter it does not have, or an unknown `name`.
         """
-        names = self._optimizer_names
-        if (name is None) != (names == [None]) or name not in names:
-            raise ConfigError(
-                f"set_hyperparams(name={name!r}): "
-                + (
-                    "the task has one optimizer: leave name out."
-                    if names == [None]
-                    else f"the task's optimizers are {names}: name one."
-                )
-            )
-        where = "task.optimizer" + ("" if name is None else f"[{name!r}]")
-
-        def changed(saved: SavedState) -> SavedState:
-            state = saved.optimizer_state
-            if name is None:
-                state = with_hyperparams(state, values, where)
-            else:
-                state = {**state, name: with_hyperparams(state[name], values, where)}
-            return dataclasses.replace(saved, optimizer_state=state)
-
-        self._runner.update_state(changed)
+        self._runner.update_state(hyperparams_changer(self._optimizer_names, name, values))
 
     def next_checkpoint(self) -> Checkpoint:
         r"""Runs to the next checkpoint and returns it.

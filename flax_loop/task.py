@@ -198,13 +198,39 @@ def check_train_task(task: Any) -> TrainTask:
     Raises:
         ConfigError: naming what is missing or of the wrong kind.
     """
-    # a step of your own may read no data: it then runs without a stream
-    needed = (
-        ("apply", "optimizer") if getattr(task, "update", None) else ("apply", "optimizer", "data")
-    )
-    missing = [name for name in needed if getattr(task, name, None) is None]
+    _check_form(task)
+    if not (callable(task.apply) or is_nnx(task.apply)):
+        raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
+    if hasattr(task.apply, "lower") and hasattr(task.apply, "trace"):  # jax.jit(model.apply)
+        raise ConfigError(
+            "task.apply is compiled with jax.jit: pass the un-jitted model.apply. "
+            "flax_loop compiles the whole step itself (the model, the loss and the "
+            "update as one program)."
+        )
+    _check_optimizers(task)
+    transforms = getattr(task, "transforms", ())
+    if not isinstance(transforms, Sequence) or not all(map(callable, transforms)):
+        raise ConfigError(
+            f"task.transforms must be a list of functions transform(step) -> step "
+            f"(flax_loop.step.Transform); got {transforms!r}."
+        )
+    compute_loss = getattr(task, "compute_loss", None)
+    if compute_loss is not None:
+        losses = compute_loss if isinstance(compute_loss, Mapping) else {None: compute_loss}
+        for name, fn in losses.items():
+            where = "task.compute_loss" + ("" if name is None else f"[{name!r}]")
+            check_compute_loss(fn, where, getattr(task, "frozen", None) is not None)
+    return task
+
+
+def _check_form(task: Any) -> None:
+    r"""What the task has: its fields, and one of `loss`, `compute_loss` and
+    `update` (with what goes with each)."""
     loss, compute_loss = getattr(task, "loss", None), getattr(task, "compute_loss", None)
     update = getattr(task, "update", None)
+    # a step of your own may read no data: it then runs without a stream
+    needed = ("apply", "optimizer") if update else ("apply", "optimizer", "data")
+    missing = [name for name in needed if getattr(task, name, None) is None]
     if loss is None and compute_loss is None and update is None:
         missing.append("loss (or compute_loss, or update)")
     if missing:
@@ -213,11 +239,8 @@ def check_train_task(task: Any) -> TrainTask:
             f"compute_loss= instead of loss); got {type(task).__name__} without "
             f"{', '.join(missing)}."
         )
-    given = [
-        name
-        for name, value in (("loss", loss), ("compute_loss", compute_loss), ("update", update))
-        if value is not None
-    ]
+    forms = {"loss": loss, "compute_loss": compute_loss, "update": update}
+    given = [name for name, value in forms.items() if value is not None]
     if len(given) > 1:
         raise ConfigError(
             f"task has {'both ' if len(given) == 2 else ''}{' and '.join(given)}; give one: "
@@ -232,23 +255,19 @@ def check_train_task(task: Any) -> TrainTask:
         )
     if update is not None:
         check_update(update)
-    if not (callable(task.apply) or is_nnx(task.apply)):
-        raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
-    if hasattr(task.apply, "lower") and hasattr(task.apply, "trace"):  # jax.jit(model.apply)
-        raise ConfigError(
-            "task.apply is compiled with jax.jit: pass the un-jitted model.apply. "
-            "flax_loop compiles the whole step itself (the model, the loss and the "
-            "update as one program)."
-        )
     if loss is not None and not callable(loss):
         raise ConfigError(f"task.loss must be callable; got {loss!r}.")
-    frozen = getattr(task, "frozen", None)
-    if frozen is not None and loss is not None:
+    if getattr(task, "frozen", None) is not None and loss is not None:
         raise ConfigError(
             "task.frozen is given to compute_loss(..., frozen=...) (and to update as "
             "state.frozen); a task with loss(*outputs, *targets) cannot use it. Pass "
             "compute_loss instead of loss."
         )
+
+
+def _check_optimizers(task: Any) -> None:
+    r"""The optimizer, or the dict of them with `compute_loss` and
+    `trainable` dicts of the same names."""
     optimizers = task.optimizer if isinstance(task.optimizer, Mapping) else {None: task.optimizer}
     if not optimizers:
         raise ConfigError("task.optimizer is an empty dict; give at least one optimizer.")
@@ -287,15 +306,3 @@ def check_train_task(task: Any) -> TrainTask:
             f"{{{', '.join(f'{name!r}: {name!r}' for name in names)}}} (a key name, an "
             f"NNX filter or fn(path, leaf)); got trainable={getattr(task, 'trainable', None)!r}."
         )
-    transforms = getattr(task, "transforms", ())
-    if not isinstance(transforms, Sequence) or not all(map(callable, transforms)):
-        raise ConfigError(
-            f"task.transforms must be a list of functions transform(step) -> step "
-            f"(flax_loop.step.Transform); got {transforms!r}."
-        )
-    if compute_loss is not None:
-        losses = compute_loss if isinstance(compute_loss, Mapping) else {None: compute_loss}
-        for name, fn in losses.items():
-            where = "task.compute_loss" + ("" if name is None else f"[{name!r}]")
-            check_compute_loss(fn, where, frozen is not None)
-    return task

@@ -208,21 +208,7 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
                 )
     file = file.with_arrays(stored)
     have = flatten(stored)
-    empty = sorted(
-        name
-        for name, leaf in have.items()
-        if leaf is None
-        and name.startswith("/optimizer_state/")
-        and hasattr(want.get(name), "shape")
-    )
-    if empty:  # an intact file of another trainable filter: no optimizer state there
-        shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
-        raise CheckpointMismatchError(
-            f"{path} holds no value at {shown}, where this run keeps one: it was written "
-            "with another trainable filter (TrainTask(trainable=...)) or optimizer, whose "
-            "state leaves out what it does not train. Resume with the trainable filter "
-            "and optimizer that wrote it, or start a new directory."
-        )
+    _refuse_empty(have, want, path)
     for name, leaf in have.items():
         if name in want and hasattr(want[name], "shape") and not isinstance(leaf, np.ndarray):
             raise CheckpointCorruptError(
@@ -256,6 +242,26 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
             ) from error
 
     return file.with_arrays({name: restored(name) for name in parts})
+
+
+def _refuse_empty(have: dict[str, Any], want: dict[str, Any], path: str) -> None:
+    r"""A `CheckpointMismatchError` for an intact file of another trainable
+    filter: its optimizer state holds nothing where this run keeps values."""
+    empty = sorted(
+        name
+        for name, leaf in have.items()
+        if leaf is None
+        and name.startswith("/optimizer_state/")
+        and hasattr(want.get(name), "shape")
+    )
+    if empty:
+        shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
+        raise CheckpointMismatchError(
+            f"{path} holds no value at {shown}, where this run keeps one: it was written "
+            "with another trainable filter (TrainTask(trainable=...)) or optimizer, whose "
+            "state leaves out what it does not train. Resume with the trainable filter "
+            "and optimizer that wrote it, or start a new directory."
+        )
 
 
 def _names(stored: Any) -> tuple[str, ...] | None:

@@ -284,3 +284,24 @@ class CheckedBatches:
             )
             self._noted_drop = True
         return self.read(for_step) if self.source.repeats else None
+
+
+class NoData:
+    r"""The stream of a step that reads no data (`TrainTask(update=fn,
+    data=None)`): a placeholder batch each step, one entry a device, which
+    the step is not given."""
+
+    def __init__(self, n_local_shards: int) -> None:
+        self._batch = np.zeros((max(n_local_shards, 1),), np.uint8)
+
+    def __iter__(self) -> "NoData":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return self._batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        pass

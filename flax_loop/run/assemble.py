@@ -35,6 +35,7 @@ from flax_loop import distributed
 from flax_loop.checkpoint import CheckpointFile
 from flax_loop.data.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.data.feed import BatchFeed, DispatchPlan
+from flax_loop.data.source import NoData
 from flax_loop.errors import ConfigError, FlaxLoopError, LossError
 from flax_loop.log import console, is_main_process, log
 from flax_loop.parallel import Placement
@@ -123,21 +124,7 @@ def assemble(
         finished, layout.program_key,
     )  # fmt: skip
     trained_part = objective.trained(start.model_params)
-    intervals = Intervals(
-        steps,
-        placement,
-        feed,
-        key,
-        options.nonfinite == "raise",
-        step,
-        frozen=trained_part.frozen_mask(),
-        mirrors_params=tuple(
-            name for name, field in layout.step.fields.items() if field.mirrors_params
-        ),
-        optimizer_names=(
-            tuple(str(part.name) for part in objective.parts) if objective.keyed else None
-        ),
-    )
+    intervals = _intervals(steps, placement, feed, key, options, step, objective, layout)
     setup_seconds = time.perf_counter() - started
     runner = Runner(
         steps.state,
@@ -156,11 +143,9 @@ def assemble(
         options.profile,
         n_steps,
     )
-    hint = objective.lora_hint()
-    if hint is not None:
-        log(hint, stdout, lead="Note:", style="yellow")
     trained = trained_part.split(start.model_params)
     _say_set_up(runner, start.model_params, trained, placement, setup_seconds, stdout, layout)
+    _say_hint(objective.lora_hint(), stdout)
     return runner
 
 
@@ -192,7 +177,7 @@ def _objective_and_feed(
     tree = None if getattr(task, "loss", None) is not None else BatchTree()
     objective = Objective.of(task, task.apply, apply_labels, mutable_collections, tree)
     feed = BatchFeed(
-        _NoData(placement.n_local_shards) if task.data is None else task.data,
+        NoData(placement.n_local_shards) if task.data is None else task.data,
         placement,
         options.steps_per_dispatch,
         options.prefetch,
@@ -272,6 +257,42 @@ def _say_set_up(
     figures = runner.memory_plan()
     log(format_plan(fullest(figures)), stdout, lead="Memory:")
     check_fits(figures, placement.devices, fsdp=layout.sharding == "fsdp")
+
+
+def _intervals(
+    steps: CompiledSteps,
+    placement: Placement,
+    feed: BatchFeed,
+    key: Any,
+    options: Options,
+    step: int,
+    objective: Objective,
+    layout: StepLayout,
+) -> Intervals:
+    r"""The run's interval closer: what each checkpoint says of the task
+    (the frozen parameters, the fields that mirror them, the optimizers'
+    order) besides the state."""
+    params = steps.state_shapes.model_params
+    return Intervals(
+        steps,
+        placement,
+        feed,
+        key,
+        options.nonfinite == "raise",
+        step,
+        frozen=objective.trained(params).frozen_mask(),
+        mirrors_params=tuple(
+            name for name, field in layout.step.fields.items() if field.mirrors_params
+        ),
+        optimizer_names=(
+            tuple(str(part.name) for part in objective.parts) if objective.keyed else None
+        ),
+    )
+
+
+def _say_hint(hint: str | None, stdout: bool) -> None:
+    if hint is not None:
+        log(hint, stdout, lead="Note:", style="yellow")
 
 
 def _compiled(
@@ -373,24 +394,3 @@ def _throughput(
         n_devices=placement.n_devices,
         peak_flops=device_peak(placement.devices[0]),
     )
-
-
-class _NoData:
-    r"""The stream of a step that reads no data (`TrainTask(update=fn,
-    data=None)`): a placeholder batch each step, one entry a device, which
-    the step is not given."""
-
-    def __init__(self, n_local_shards: int) -> None:
-        self._batch = np.zeros((max(n_local_shards, 1),), np.uint8)
-
-    def __iter__(self) -> _NoData:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        return self._batch
-
-    def get_state(self) -> dict[str, Any]:
-        return {}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        pass

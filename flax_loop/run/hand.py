@@ -7,13 +7,32 @@ same structure, dtypes and shapes go back in before the next step, without
 compiling the step again. `set_hyperparams` is one such change: the values
 an `optax.inject_hyperparams` optimizer reads at its next update.
 
->>> import jax.numpy as jnp, optax
+>>> import jax, optax
+>>> import numpy as np
+>>> import flax.linen as nn
+>>> from flax_loop import TrainLoop, TrainTask
+>>> model = nn.Dense(3)
+>>> def cross_entropy(logits, labels):
+...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+>>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
+>>> loop = TrainLoop(init=model.init, task=TrainTask(model.apply, optax.sgd(0.1),
+...                  cross_entropy, batches), rnkey=jax.random.key(0), n_steps=4,
+...                  stdout=False)
+>>> _ = loop.next_checkpoint()
+>>> loop.update_state(lambda saved: saved.map_arrays(
+...     lambda arrays: {**arrays, "model_params": jax.tree.map(
+...         np.zeros_like, arrays["model_params"])}))
+>>> float(abs(loop.next_checkpoint().model_params["kernel"]).max()) < 0.1
+True
+
+>>> import jax.numpy as jnp
 >>> state = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1).init({"w": jnp.ones(2)})
 >>> halved = with_hyperparams(state, {"learning_rate": 0.05}, "task.optimizer")
 >>> halved.hyperparams["learning_rate"].dtype, round(float(halved.hyperparams["learning_rate"]), 6)
 (dtype('float32'), 0.05)
 """
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,6 +87,14 @@ def changed_fields(
                     "a value keeps its dtype and shape (cast it: value.astype(old.dtype))."
                 )
     return arrays
+
+
+def changed_state(steps: Any, state: Any, step: int, fn: Callable[[SavedState], Any]) -> Any:
+    r"""The state (as the compiled `steps` take it) after `fn` of its saved
+    record at `step`, checked by `changed_fields`."""
+    arrays = steps.copier()(state)
+    saved = SavedState(None, None, None, step=step).with_arrays(arrays)
+    return steps.with_fields(state, changed_fields(saved, fn, steps.state_shapes.fields))
 
 
 def with_hyperparams(optimizer_state: Any, values: Mapping[str, Any], where: str) -> Any:
@@ -179,3 +206,35 @@ def task_hyperparams(optimizer_state: Any, optimizer: Any) -> tuple[Any, list[st
         return optimizer_state, []
     new = jax.tree.map(replaced, optimizer_state, is_leaf=lambda node: isinstance(node, _INJECTED))
     return new, changes
+
+
+def hyperparams_changer(
+    names: list[str | None], name: str | None, values: Mapping[str, Any]
+) -> Callable[[SavedState], SavedState]:
+    r"""`TrainLoop.set_hyperparams`' change of the saved state: the injected
+    hyperparameters `values` of the optimizer `name` (of the task's
+    optimizers `names`; `[None]` for one).
+
+    Raises:
+        ConfigError: for a `name` the task's optimizers do not have.
+    """
+    if (name is None) != (names == [None]) or name not in names:
+        raise ConfigError(
+            f"set_hyperparams(name={name!r}): "
+            + (
+                "the task has one optimizer: leave name out."
+                if names == [None]
+                else f"the task's optimizers are {names}: name one."
+            )
+        )
+    where = "task.optimizer" + ("" if name is None else f"[{name!r}]")
+
+    def changed(saved: SavedState) -> SavedState:
+        state = saved.optimizer_state
+        if name is None:
+            state = with_hyperparams(state, values, where)
+        else:
+            state = {**state, name: with_hyperparams(state[name], values, where)}
+        return dataclasses.replace(saved, optimizer_state=state)
+
+    return changed

@@ -36,8 +36,9 @@ from flax_loop.random import init_key, into_collection, same_key
 from flax_loop.run.hand import task_hyperparams
 from flax_loop.step.cache import identity
 from flax_loop.step.core import CORE, Fields, Step
+from flax_loop.step.model import SOWN
 from flax_loop.step.modules import NNXModel
-from flax_loop.step.objective import SOWN, Objective
+from flax_loop.step.objective import Objective
 from flax_loop.step.sharding import linen_annotations
 from flax_loop.step.state import TrainState
 from flax_loop.step.variants import run_once
@@ -162,17 +163,10 @@ def initial_state(
         if restored is not None and restored.left_out is not None:
             restored = _put_back_frozen(restored, lambda: run_once(start, place, rnkey, *inputs)[0])
         if restored is not None and restored.optimizer_state is None:
-            log(f"Training starts from the parameters in {restored.path}.")
-            params = restored.model_params
-            _, model_state, _ = _guarded(
-                lambda: run_once(start, place, rnkey, *inputs), init, inputs, init_labels
+            initialize = lambda: run_once(start, place, rnkey, *inputs)  # noqa: E731
+            return _from_parameters(
+                restored, optimizer, place, initialize, init, inputs, init_labels
             )
-            optimizer_state = run_once(
-                functools.partial(_init_optimizer, optimizer),
-                None if place is None else place[2],
-                params,
-            )
-            return CheckpointFile(params, model_state, optimizer_state, step=0)
         if restored is not None:
             restored = dataclasses.replace(restored, step=int(restored.step))
             _check_optimizer_order(restored, optimizer)
@@ -186,6 +180,28 @@ def initial_state(
         key = ("init", identity(init), labels, identity(mutable_collections), program_key)
     params, model_state, optimizer_state = _guarded(
         lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
+    )
+    return CheckpointFile(params, model_state, optimizer_state, step=0)
+
+
+def _from_parameters(
+    restored: CheckpointFile,
+    optimizer: Any,
+    place: Any,
+    initialize: Callable[[], Any],
+    init: InitFn,
+    inputs: tuple[Any, ...],
+    init_labels: Sequence[str],
+) -> CheckpointFile:
+    r"""A start at step 0 from a directory of parameters only: the model
+    state of the run's initialization, a new optimizer state."""
+    log(f"Training starts from the parameters in {restored.path}.")
+    params = restored.model_params
+    _, model_state, _ = _guarded(initialize, init, inputs, init_labels)
+    optimizer_state = run_once(
+        functools.partial(_init_optimizer, optimizer),
+        None if place is None else place[2],
+        params,
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
 

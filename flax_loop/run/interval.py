@@ -196,17 +196,8 @@ class Intervals:
             loss_value = previous.loss if previous else float("nan")
         elapsed = time.perf_counter() - started  # after _finish's wait for the devices
         self.start = step
-        saved = SavedState(
-            None,
-            None,
-            None,
-            step=step,
-            rnkey=self._rnkey,
-            data_state=self._feed.state(step),
-            optimizer_names=self._optimizer_names,
-        ).with_arrays(arrays)
         self._last = Checkpoint.from_saved(
-            saved,
+            self._saved(arrays, step),
             grads=grads,
             loss=loss_value,
             n_completed_steps=n_completed,
@@ -220,6 +211,18 @@ class Intervals:
             mirrors_params=self._mirrors,
         )
         return state, self._last
+
+    def _saved(self, arrays: dict[str, Any], step: int) -> SavedState:
+        r"""The saved record at `step` of the state's copied `arrays`."""
+        return SavedState(
+            None,
+            None,
+            None,
+            step=step,
+            rnkey=self._rnkey,
+            data_state=self._feed.state(step),
+            optimizer_names=self._optimizer_names,
+        ).with_arrays(arrays)
 
     def _finish(
         self,

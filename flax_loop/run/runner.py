@@ -27,7 +27,7 @@ from flax_loop.errors import DataExhaustedError, StateLostError
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
 from flax_loop.run import memory
-from flax_loop.run.hand import changed_fields
+from flax_loop.run.hand import changed_state
 from flax_loop.run.interval import Intervals
 from flax_loop.run.preemption import PreemptionGuard, quiet_interrupt
 from flax_loop.run.profiling import ProfileSteps
@@ -58,16 +58,12 @@ class Runner:
         train_key: what the steps take beside the state: the run's key on
             the devices (with the frozen models, `StepInputs`).
         steps: the compiled variants.
-        feed: the batches.
-        plan: the dispatches of an interval.
+        feed, plan: the batches; the dispatches of an interval.
         intervals: the interval closer.
-        placement: the devices.
-        guard: the signals that ask for a stop.
-        throughput: the rates added to each checkpoint.
-        times: where the time went.
+        placement, guard: the devices; the signals that ask for a stop.
+        throughput, times: the rates added to each checkpoint; where the time went.
         stdout: whether to print notes.
-        report: the progress bar, if shown.
-        profile: the window of steps traced, if any.
+        report, profile: the progress bar, if shown; the window of steps traced, if any.
         n_steps: the total number of steps the run trains to.
     """
 
@@ -125,11 +121,7 @@ class Runner:
         (`TrainLoop.update_state`)."""
         if self.lost is not None:
             raise StateLostError(self.lost)
-        shapes = self.steps.state_shapes.fields
-        arrays = self.steps.copier()(self.state)
-        saved = SavedState(None, None, None, step=self.step).with_arrays(arrays)
-        fields = changed_fields(saved, fn, shapes)
-        self.state = self.steps.with_fields(self.state, fields)
+        self.state = changed_state(self.steps, self.state, self.step, fn)
 
     @contextlib.contextmanager
     def training(self, last_step: int) -> Iterator[None]:

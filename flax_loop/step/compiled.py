@@ -31,8 +31,9 @@ from flax_loop.step.variants import (
     Variants,
     abstract,
     compile_close,
+    compile_copy,
     packing_of,
-    run_once_options,
+    with_fields,
 )
 
 
@@ -130,7 +131,6 @@ class CompiledSteps:
             grads_like=self.grads_like,
         )
         self._shorter: dict[Any, Callable[..., Any]] = {}
-        self._with_fields: Callable[..., Any] | None = None
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
         self._abstract = jax.tree.map(abstract, packed)
@@ -265,25 +265,8 @@ class CompiledSteps:
         self.programs[MANY_LAST] = program
 
     def _compile_copy(self, placement: Placement) -> Callable[..., Any]:
-        packing = self.packing
-        if packing is None:
-            return lambda state: placement.copy(state.saved_arrays())
-
-        def copy(packed: Any) -> dict[str, Any]:
-            # a compiled program's outputs are buffers of its own (its input is
-            # not donated), which the next step's donation leaves alone
-            return packing.unpack(packed).saved_arrays()
-
-        shapes = jax.tree.map(abstract, self.state)
-        # slices and copies: compiled as the initial state is, for a short compilation
-        return cache.compiled(
-            self._variants.cache_key("copy", signature(shapes)),
-            lambda: (
-                jax.jit(copy, out_shardings=placement.replicated)
-                .lower(shapes)
-                .compile(run_once_options())
-            ),
-        )
+        key = self._variants.cache_key("copy", signature(self._abstract))
+        return compile_copy(self.packing, placement, self._abstract, key)
 
     def copier(self) -> Callable[[Any], dict[str, Any]]:
         r"""`copy(state)`: the saved state's arrays (`TrainState.saved_arrays`)
@@ -296,20 +279,10 @@ class CompiledSteps:
     def with_fields(self, state: Any, fields: dict[str, Any]) -> Any:
         r"""`state` (as the steps take it: packed, or laid out) holding
         `fields` (the step's fields, of the state's structure, shapes and
-        dtypes) instead of its own, its counters and sums kept; a program
-        compiled on first use (the steps are not compiled again)."""
-        packing, shapes = self.packing, self._unpacked
-        if packing is None:
-            shardings = jax.tree.map(lambda leaf: leaf.sharding, shapes.fields)
-            return state._replace(fields=jax.device_put(fields, shardings))
-        if self._with_fields is None:
-
-            def replaced(packed: Any, fields: dict[str, Any]) -> Any:
-                return packing.pack(packing.unpack(packed)._replace(fields=fields))
-
-            shardings = jax.tree.map(lambda leaf: leaf.sharding, self._abstract)
-            self._with_fields = jax.jit(replaced, out_shardings=shardings)
-        return self._with_fields(state, fields)
+        dtypes) instead of its own, its counters and sums kept (the steps are
+        not compiled again)."""
+        key = self._variants.cache_key("with fields", signature(self._abstract))
+        return with_fields(self.packing, self._unpacked, self._abstract, key)(state, fields)
 
     def wait(self) -> None:
         r"""Waits until every variant is compiled (raising a compilation's error)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax.core.scope import CollectionFilter
+from flax.core.scope import CollectionFilter, in_filter, union_filters
 from flax.errors import InvalidRngError
 
 from flax_loop.errors import ApplyError, LossError
@@ -137,3 +137,76 @@ def check_loss(loss: Any, per_device: bool) -> jax.Array:
             "(...).mean())."
         )
     return loss
+
+
+SOWN = "intermediates"
+r"""The collection linen's `self.sow` writes to by default: never state."""
+
+
+class LinenModel:
+    r"""A linen model bound to the step's variables, as `compute_loss` gets it.
+
+    `model(*args, **kwargs)` is `apply(variables, *args, **kwargs)` with the
+    step's RNG keys (a later call in the same step draws new ones) and any
+    keyword such as `method=`. Collections the model changes (`batch_stats`)
+    carry over to the next call and the next step; values sown with
+    `self.sow` (into `intermediates`, or any collection the state lacks) are
+    in `model.sown`, by collection, as the latest call left them.
+
+    Attributes:
+        params: the parameters (what the loss differentiates).
+        state: the other collections, as the latest call left them.
+        sown: the collections sown by the latest call.
+    """
+
+    def __init__(
+        self,
+        apply: Callable[..., Any],
+        params: Any,
+        state: Mapping[str, Any],
+        rngs: dict[str, jax.Array],
+        mutable: CollectionFilter,
+    ) -> None:
+        self._apply, self._rngs, self._mutable = apply, rngs, mutable
+        self.params = params
+        self.state = dict(state)
+        self.sown: dict[str, Any] = {}
+        self._changed: set[str] = set()
+        self._calls = 0
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        r"""`{"params": ..., **state}`, as linen's `apply` takes them."""
+        return {"params": self.params, **self.state}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rngs = self._rngs
+        if self._calls:  # each call of a step draws its own numbers
+            rngs = {label: jax.random.fold_in(key, self._calls) for label, key in rngs.items()}
+        self._calls += 1
+        mutable = self._mutable
+        if mutable not in (False, None):  # a model without state keeps its own contract
+            mutable = union_filters(mutable, SOWN)
+        result, mutated = call_apply(self._apply, self.variables, args, rngs, mutable, kwargs)
+        sown = {}
+        for name, value in mutated.items():
+            if name in self.state:
+                if in_filter(self._mutable, name):
+                    self.state[name] = value
+                    self._changed.add(name)
+            else:
+                sown[name] = value
+        self.sown = sown
+        return result
+
+    def outputs(self, *inputs: Any) -> Any:
+        r"""`model(*inputs)`: what a supervised loss takes its outputs from."""
+        return self(*inputs)
+
+    @property
+    def model(self) -> "LinenModel":
+        return self
+
+    def collected(self) -> dict[str, Any]:
+        r"""The collections the calls changed (what the step carries)."""
+        return {name: self.state[name] for name in self._changed}

@@ -267,6 +267,49 @@ def compile_close(packing: Packing | None, shardings: Any, state: Any, grads: An
     return close.lower(state, grads).compile()
 
 
+def compile_copy(
+    packing: Packing | None, placement: Placement, shapes: Any, key: Hashable | None
+) -> Callable[[Any], dict[str, Any]]:
+    r"""`copy(state)`: the saved state's arrays as fresh arrays (the packed
+    state unpacked by a compiled program, `shapes` its layout), which outlive
+    the loop's donation of its own to the next step."""
+    if packing is None:
+        return lambda state: placement.copy(state.saved_arrays())
+
+    def copy(packed: Any) -> dict[str, Any]:
+        # a compiled program's outputs are buffers of its own (its input is
+        # not donated), which the next step's donation leaves alone
+        return packing.unpack(packed).saved_arrays()
+
+    # slices and copies: compiled as the initial state is, for a short compilation
+    return cache.compiled(
+        key,
+        lambda: (
+            jax.jit(copy, out_shardings=placement.replicated)
+            .lower(shapes)
+            .compile(run_once_options())
+        ),
+    )
+
+
+def with_fields(
+    packing: Packing | None, unpacked: Any, packed: Any, key: Hashable | None
+) -> Callable[[Any, dict[str, Any]], Any]:
+    r"""`replaced(state, fields)`: a state as the steps take it holding
+    `fields` instead of its own (`unpacked`, `packed`: the state's shapes
+    and layouts, unpacked and as the steps take it)."""
+    if packing is None:
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, unpacked.fields)
+        return lambda state, fields: state._replace(fields=jax.device_put(fields, shardings))
+
+    def replaced(state: Any, fields: dict[str, Any]) -> Any:
+        return packing.pack(packing.unpack(state)._replace(fields=fields))
+
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, packed)
+    program = jax.jit(replaced, out_shardings=shardings)
+    return cache.compiled(key, lambda: program) if key is not None else program
+
+
 def packing_of(state: TrainState) -> Packing | None:
     r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
     or one with fewer than two leaves to pack."""

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_loop.errors import ConfigError, FlaxLoopError
+from flax_loop.errors import FlaxLoopError
 
 _ERROR_KEY = "flax_loop/error"
 _ALIVE = "flax_loop/alive/"
@@ -45,82 +45,6 @@ SILENT_SECONDS = 5.0
 r"""How long a peer may go without beating before it is taken for dead."""
 
 _failed = False  # this process raised an exception that ends it
-
-
-_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
-
-
-def initialize_processes(**options: Any) -> None:
-    r"""Joins this process to the others of its job: `jax.distributed.initialize`
-    with the launcher's environment.
-
-    Without arguments JAX reads SLURM's (`srun`) and Open MPI 4's
-    (`mpirun`) variables. Open MPI 5's `mpirun` no longer sets the variable
-    JAX finds its coordinator with; under it (and under other MPI
-    launchers) the processes find it through MPI itself (mpi4py, which must
-    be installed). `options` go to `jax.distributed.initialize` as they
-    are (say `coordinator_address=`, `num_processes=`, `process_id=`).
-
-    The processes wait `initialization_timeout` seconds for each other
-    (`INITIALIZATION_TIMEOUT` by default, JAX's own is 300). Process 0 checks
-    first that the coordinator's port is free: JAX's coordinator dies
-    without a word on a port in use, leaving the others to wait.
-
-    Raises:
-        ConfigError: under an MPI launcher without mpi4py, naming both
-            remedies; on process 0, for a coordinator port in use.
-    """
-    given = dict(options)
-    options.setdefault("initialization_timeout", INITIALIZATION_TIMEOUT)
-    if options.get("process_id") == 0 and options.get("coordinator_address"):
-        _check_port_free(str(options["coordinator_address"]))
-    try:
-        jax.distributed.initialize(**options)
-        return
-    except ValueError as error:
-        launched_by_mpi = any(name in os.environ for name in _MPI_VARIABLES)
-        if given or not launched_by_mpi or "coordinator_address" not in str(error):
-            raise
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError as error:
-        raise ConfigError(
-            "This process was started by an MPI launcher that does not tell JAX where "
-            "its coordinator is (Open MPI 5's mpirun). Install mpi4py (pip install "
-            "mpi4py), through which the processes find it, or pass "
-            "coordinator_address='host of process 0:port', num_processes= and "
-            "process_id=."
-        ) from error
-    jax.distributed.initialize(
-        cluster_detection_method="mpi4py", initialization_timeout=INITIALIZATION_TIMEOUT
-    )
-
-
-INITIALIZATION_TIMEOUT = 120
-r"""Seconds `initialize_processes` waits for every process to join, by default."""
-
-
-def _check_port_free(address: str) -> None:
-    r"""Raises a `ConfigError` naming `address` when its port is taken here."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return  # JAX says what is wrong with the address
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # a port a finished run's connections linger on is free; a listener's is not
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        probe.bind(("", int(port)))
-    except OSError as error:
-        raise ConfigError(
-            f"The coordinator's port {port} ({address!r}) is in use on this host "
-            f"({error.strerror}): another job, or a process left from an earlier run, "
-            "holds it. Give every process another coordinator_address port, or end "
-            "that process."
-        ) from None
-    finally:
-        probe.close()
 
 
 def is_multiprocess() -> bool:
@@ -410,39 +334,21 @@ def gather_objects(name: str, value: Any) -> list[Any]:
     ]
 
 
-def agree_on_structure(name: str, tree: Any) -> None:
-    r"""Checks that every process holds a tree of the same paths, shapes and
-    dtypes (their models, optimizers and options agree), before any step
-    runs a collective over mismatched arrays.
+# what the package's other modules define, reachable here as before
+from flax_loop.distributed.agreement import agree_on_structure  # noqa: E402
+from flax_loop.distributed.launch import INITIALIZATION_TIMEOUT, initialize_processes  # noqa: E402
 
-    Raises:
-        ConfigError: naming the first path where a process differs from
-            process 0, on every process.
-    """
-    if not is_multiprocess():
-        return
-    import zlib
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    described = [
-        f"{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))} {np.dtype(leaf.dtype).name}"
-        for path, leaf in flat
-    ]
-    digests = gather(zlib.crc32("\n".join(described).encode()))
-    if len(set(digests)) == 1:
-        return
-    everyone = gather_objects(f"structure/{name}", described)
-    for index, theirs in enumerate(everyone[1:], start=1):
-        if theirs == everyone[0]:
-            continue
-        first = next(
-            (i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b),
-            min(len(theirs), len(everyone[0])),
-        )
-        ours = everyone[0][first] if first < len(everyone[0]) else "nothing"
-        other = theirs[first] if first < len(theirs) else "nothing"
-        raise ConfigError(
-            f"The processes' {name} differ: process 0 has {ours}, process {index} has "
-            f"{other} (the first difference). Every process must build the same model, "
-            "optimizer and options."
-        )
+__all__ = [
+    "EXIT_CODE",
+    "INITIALIZATION_TIMEOUT",
+    "SILENT_SECONDS",
+    "FailureWatcher",
+    "agree",
+    "agree_on_structure",
+    "failing_together",
+    "gather",
+    "gather_objects",
+    "initialize_processes",
+    "is_multiprocess",
+    "report_error",
+]

@@ -1,0 +1,83 @@
+r"""Joining a job's processes: `initialize_processes`."""
+
+import os
+from typing import Any
+
+import jax
+
+from flax_loop.errors import ConfigError
+
+_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
+
+
+def initialize_processes(**options: Any) -> None:
+    r"""Joins this process to the others of its job: `jax.distributed.initialize`
+    with the launcher's environment.
+
+    Without arguments JAX reads SLURM's (`srun`) and Open MPI 4's
+    (`mpirun`) variables. Open MPI 5's `mpirun` no longer sets the variable
+    JAX finds its coordinator with; under it (and under other MPI
+    launchers) the processes find it through MPI itself (mpi4py, which must
+    be installed). `options` go to `jax.distributed.initialize` as they
+    are (say `coordinator_address=`, `num_processes=`, `process_id=`).
+
+    The processes wait `initialization_timeout` seconds for each other
+    (`INITIALIZATION_TIMEOUT` by default, JAX's own is 300). Process 0 checks
+    first that the coordinator's port is free: JAX's coordinator dies
+    without a word on a port in use, leaving the others to wait.
+
+    Raises:
+        ConfigError: under an MPI launcher without mpi4py, naming both
+            remedies; on process 0, for a coordinator port in use.
+    """
+    given = dict(options)
+    options.setdefault("initialization_timeout", INITIALIZATION_TIMEOUT)
+    if options.get("process_id") == 0 and options.get("coordinator_address"):
+        _check_port_free(str(options["coordinator_address"]))
+    try:
+        jax.distributed.initialize(**options)
+        return
+    except ValueError as error:
+        launched_by_mpi = any(name in os.environ for name in _MPI_VARIABLES)
+        if given or not launched_by_mpi or "coordinator_address" not in str(error):
+            raise
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(
+            "This process was started by an MPI launcher that does not tell JAX where "
+            "its coordinator is (Open MPI 5's mpirun). Install mpi4py (pip install "
+            "mpi4py), through which the processes find it, or pass "
+            "coordinator_address='host of process 0:port', num_processes= and "
+            "process_id=."
+        ) from error
+    jax.distributed.initialize(
+        cluster_detection_method="mpi4py", initialization_timeout=INITIALIZATION_TIMEOUT
+    )
+
+
+INITIALIZATION_TIMEOUT = 120
+r"""Seconds `initialize_processes` waits for every process to join, by default."""
+
+
+def _check_port_free(address: str) -> None:
+    r"""Raises a `ConfigError` naming `address` when its port is taken here."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # JAX says what is wrong with the address
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # a port a finished run's connections linger on is free; a listener's is not
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("", int(port)))
+    except OSError as error:
+        raise ConfigError(
+            f"The coordinator's port {port} ({address!r}) is in use on this host "
+            f"({error.strerror}): another job, or a process left from an earlier run, "
+            "holds it. Give every process another coordinator_address port, or end "
+            "that process."
+        ) from None
+    finally:
+        probe.close()
