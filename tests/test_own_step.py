@@ -508,3 +508,37 @@ def test_a_step_without_data_runs_n_steps_as_written_by_hand():
     np.testing.assert_allclose(last.model_params["mu"], [3.0, -1.0], atol=0.2)
     by_three = list(sampled_loop(n_steps_per_checkpoint=3))[-1]
     same(by_three.model_params, last.model_params)
+
+
+def test_the_built_in_transforms_apply_to_your_own_step():
+    # the moving average follows the parameters the step's update gave
+    (last,) = list(scaling_loop(1, optax.sgd(0.05), ema_decay=0.5, n_steps_per_checkpoint=1))
+    start = initial(REGRESSOR, X[:32])
+    jax.tree.map(
+        lambda ema, a, b: np.testing.assert_allclose(ema, 0.5 * a + 0.5 * b, rtol=1e-6),
+        last.ema_params,
+        start,
+        last.model_params,
+    )
+
+    # a non-finite step is skipped whole: parameters and carry as they were
+    def poisoned(state, batch, *, rng, step):
+        state, metrics = plain_update(state, batch, rng=rng, step=step)
+        loss = jnp.where(step == 1, jnp.nan, metrics["loss"])
+        return state.replace(carry={"n": state.carry["n"] + 1}), {"loss": loss}
+
+    loop = TrainLoop(
+        init=REGRESSOR.init,
+        task=TrainTask(
+            REGRESSOR.apply, optax.sgd(0.1), data=ResumableBatches(X, Y, 32), update=poisoned,
+            carry={"n": jnp.int32(0)},
+        ),
+        rnkey=jax.random.key(0),
+        n_steps=3,
+        n_steps_per_checkpoint=3,
+        nonfinite="skip",
+        devices=jax.devices()[:1],
+        stdout=False,
+    )  # fmt: skip
+    (last,) = list(loop)
+    assert last.n_nonfinite_steps == 1 and int(last.carried["carry"]["n"]) == 2
