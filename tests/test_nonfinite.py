@@ -20,16 +20,21 @@ def poisoned(bad_batch):
         yield x, y
 
 
-def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
-    loop = digits_loop(
+def poisoned_loop(nonfinite, n_devices=2):
+    """A BatchNorm and Dropout net on batches poisoned at step 6."""
+    return digits_loop(
         BatchNormDropoutNet(),
         data=poisoned(6),
-        n_devices=2,
+        n_devices=n_devices,
         n_steps=20,
         n_steps_per_checkpoint=5,
         collections={"apply": ["dropout"]},
-        nonfinite="raise",
+        nonfinite=nonfinite,
     )
+
+
+def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
+    loop = poisoned_loop("raise", n_devices=2)
     assert loop.next_checkpoint().step == 5
     with pytest.raises(
         NonFiniteError, match=r"first at step 7 .*may have come at step 6.*detected at step 10"
@@ -38,15 +43,7 @@ def test_raise_names_the_first_bad_step_at_the_next_checkpoint():
 
 
 def test_skip_leaves_params_and_statistics_unchanged_and_goes_on():
-    loop = digits_loop(
-        BatchNormDropoutNet(),
-        data=poisoned(6),
-        n_devices=2,
-        n_steps=20,
-        n_steps_per_checkpoint=5,
-        collections={"apply": ["dropout"]},
-        nonfinite="skip",
-    )
+    loop = poisoned_loop("skip", n_devices=2)
     at_six = list(loop.run(6))[-1]
     assert at_six.step == 6
     at_seven = loop.next_step()
@@ -70,15 +67,7 @@ def test_skip_leaves_params_and_statistics_unchanged_and_goes_on():
 
 
 def test_skip_mean_loss_leaves_the_bad_step_out():
-    loop = digits_loop(
-        BatchNormDropoutNet(),
-        data=poisoned(6),
-        n_devices=1,
-        n_steps=20,
-        n_steps_per_checkpoint=5,
-        collections={"apply": ["dropout"]},
-        nonfinite="skip",
-    )
+    loop = poisoned_loop("skip", n_devices=1)
     assert loop.next_checkpoint().n_nonfinite_steps == 0
     second = loop.next_checkpoint()
     assert second.step == 10 and second.n_nonfinite_steps == 1

@@ -127,11 +127,15 @@ class Objective:
         definition, a linen `apply` by identity), the losses, each part's
         optimizer and trainable filter, the RNG labels, the mutable
         collections, the frozen models and the batches' structure."""
-        from flax_loop.step.cache import identity
+        from flax_loop.step.cache import identity, signature
 
         model = self._nnx.graphdef if self._nnx is not None else identity(self._apply)
+        # frozen models travel as arguments: their structure, never their values
         frozen = tuple(
-            (name, self._frozen_nnx[name].graphdef if name in self._frozen_nnx else identity(value))
+            (
+                name,
+                self._frozen_nnx[name].graphdef if name in self._frozen_nnx else signature(value),
+            )
             for name, value in (self._frozen or {}).items()
         )
         parts = tuple(
