@@ -193,3 +193,14 @@ def test_listing_files_loads_neither_jax_nor_orbax(files):
     )
     # ls and verify find the damaged file (1), show reads an intact one (0)
     assert result.stdout.strip().endswith("[1, 1, 0] []"), result.stdout + result.stderr
+
+
+def test_version_and_verify_of_one_file(files, capsys):
+    import flax_loop
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"flax-loop {flax_loop.__version__}"
+    status, out = inspect("verify", files / "regular.6.ckpt")
+    assert status == 0 and "regular.6.ckpt intact." in out
+    status, out = inspect("verify", files / "regular.4.ckpt")  # a flipped byte
+    assert status == 1 and out.startswith("damaged: ") and "Traceback" not in out

@@ -46,6 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flax_loop.checkpoint import CheckpointEntry, list_checkpoints, read_contents, read_damaged
+from flax_loop.checkpoint.parse import read
 from flax_loop.errors import CheckpointCorruptError, FlaxLoopError
 from flax_loop.log import format_bytes
 
@@ -56,15 +57,28 @@ EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 _WIDTH = None if sys.stdout.isatty() else 120
 
 
+def _version() -> str:
+    r"""The installed package's version (its metadata: no import of the package's API)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flax_loop")
+    except metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "(not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flax-loop", description="Inspect flax_loop checkpoint directories."
     )
+    parser.add_argument("--version", action="version", version=f"flax-loop {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = commands.add_parser("ls", help="list a directory's checkpoints")
     ls.add_argument("dir", help="a checkpoint directory")
-    verify = commands.add_parser("verify", help="verify every checkpoint of a directory")
-    verify.add_argument("dir", help="a checkpoint directory")
+    verify = commands.add_parser(
+        "verify", help="verify every checkpoint of a directory, or one checkpoint file"
+    )
+    verify.add_argument("dir", help="a checkpoint directory, or a checkpoint file")
     show = commands.add_parser("show", help="show one checkpoint's metadata and arrays")
     show.add_argument("path", help="a checkpoint file, or an Orbax step folder")
     return parser
@@ -151,6 +165,14 @@ def _ls(directory: str, console: Console) -> int:
 
 
 def _verify(directory: str, console: Console) -> int:
+    if os.path.isfile(directory):  # one file: read whole, every checksum checked
+        try:
+            read(directory)
+        except CheckpointCorruptError as error:
+            console.print(f"damaged: {error}", markup=False)
+            return EXIT_DAMAGED
+        console.print(f"{directory} intact.", markup=False)
+        return EXIT_OK
     entries = list_checkpoints(directory)
     bad = [entry for entry in entries if not entry.intact]
     for entry in bad:
