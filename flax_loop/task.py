@@ -199,6 +199,12 @@ def check_train_task(task: Any) -> TrainTask:
         ConfigError: naming what is missing or of the wrong kind.
     """
     _check_form(task)
+    if _is_linen_module(task.apply):
+        raise ConfigError(
+            f"task.apply is the linen module {type(task.apply).__name__}: pass its apply "
+            "function, TrainTask(model.apply, ...), and its init, TrainLoop(init=model.init, "
+            "...) (an NNX module goes as itself)."
+        )
     if not (callable(task.apply) or is_nnx(task.apply)):
         raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
     if hasattr(task.apply, "lower") and hasattr(task.apply, "trace"):  # jax.jit(model.apply)
@@ -306,3 +312,9 @@ def _check_optimizers(task: Any) -> None:
             f"{{{', '.join(f'{name!r}: {name!r}' for name in names)}}} (a key name, an "
             f"NNX filter or fn(path, leaf)); got trainable={getattr(task, 'trainable', None)!r}."
         )
+
+
+def _is_linen_module(value: Any) -> bool:
+    from flax import linen
+
+    return isinstance(value, linen.Module)

@@ -294,3 +294,32 @@ def test_optimizers_resumed_in_another_order_are_refused(tmp_path):
     ):
         loop(["second", "first"], reader)
     assert loop(["first", "second"], reader).step == 1  # the same order resumes
+
+
+def test_newcomer_mistakes_are_named_with_their_fix():
+    from flax_loop.errors import ApplyError
+
+    model = MLP(features=(8,))
+    data = [(np.ones((8, 64), np.float32), np.arange(8) % 10)] * 2
+    task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data)
+    with pytest.raises(ConfigError, match=r"input_sample is the number 40.*n_steps=\.\.\."):
+        TrainLoop(model.init, task, jax.random.key(0), 40, 20)
+    with pytest.raises(ConfigError, match=r"linen module MLP: pass its apply function"):
+        TrainLoop(
+            model.init, TrainTask(model, optax.sgd(0.1), cross_entropy, data), jax.random.key(0)
+        )
+
+    def own_keys(model, batch, *, rng, step):
+        x, y = batch
+        return cross_entropy(model(x, rngs={"dropout": rng}), y)
+
+    with pytest.raises(ApplyError, match=r"with rngs=: the step gives the model its keys"):
+        TrainLoop(
+            model.init,
+            TrainTask(model.apply, optax.sgd(0.1), data=data, compute_loss=own_keys),
+            jax.random.key(0),
+            n_steps=1,
+            input_sample=np.ones((1, 64), np.float32),
+            devices=jax.devices()[:1],
+            stdout=False,
+        )

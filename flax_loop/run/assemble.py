@@ -352,6 +352,13 @@ def _init_inputs(
     Raises:
         ConfigError: if a linen model's inputs cannot be found.
     """
+    if isinstance(input_sample, (int, float)) and not isinstance(input_sample, bool):
+        raise ConfigError(
+            f"input_sample is the number {input_sample!r}: TrainLoop's positional "
+            "arguments are (init, task, rnkey, input_sample, n_steps_per_checkpoint, "
+            "n_steps), flax-extra's order. Pass the counts by name: TrainLoop(init, task, "
+            "rnkey, n_steps=..., n_steps_per_checkpoint=...)."
+        )
     if input_sample is not None:
         return normalize_group(input_sample, "input_sample")
     if tree is None:

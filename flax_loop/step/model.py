@@ -184,6 +184,15 @@ class LinenModel:
         if self._calls:  # each call of a step draws its own numbers
             rngs = {label: jax.random.fold_in(key, self._calls) for label, key in rngs.items()}
         self._calls += 1
+        given = sorted({"rngs", "mutable"} & set(kwargs))
+        if given:
+            raise ApplyError(
+                f"The loss called the model with {', '.join(f'{k}=' for k in given)}: the "
+                "step gives the model its keys and carries its collections. Name the RNG "
+                "streams with TrainLoop(collections={'apply': ['dropout', ...]}) (each "
+                "call draws new numbers), draw your own from the loss's rng, and name "
+                "what training may change with TrainLoop(mutable_collections=...)."
+            )
         mutable = self._mutable
         if mutable not in (False, None):  # a model without state keeps its own contract
             mutable = union_filters(mutable, SOWN)
