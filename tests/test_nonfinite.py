@@ -99,3 +99,37 @@ def test_a_nonfinite_gradient_with_a_finite_loss_is_caught_at_the_checkpoint():
     )
     with pytest.raises(NonFiniteError, match=r"between steps 1 and 5; detected at step 5"):
         loop.next_checkpoint()
+
+
+def test_a_nan_gradient_under_a_finite_loss_is_named_with_the_step_it_may_have_come_at():
+    import jax.numpy as jnp
+
+    from tests.helpers import MLP
+
+    model = MLP(features=(16,))
+
+    def loss(model, batch, *, rng, step):
+        x, y = batch
+        logits = model(x)
+        # at the fifth step (step 4 counted from 0): a finite loss, a NaN gradient
+        # (d sqrt(u)/du at 0 is infinite, times 0)
+        zero = jnp.abs(logits[0, 0] - logits[0, 0])
+        trap = jax.lax.cond(step == 4, lambda: 0.0 * jnp.sqrt(zero), lambda: 0.0 * zero)
+        return cross_entropy(logits, y) + trap
+
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(
+            model.apply, optax.sgd(0.1), data=batches(X_TRAIN, Y_TRAIN, 32), compute_loss=loss
+        ),
+        rnkey=jax.random.key(0),
+        n_steps=10,
+        n_steps_per_checkpoint=10,
+        input_sample=X_TRAIN[:1],
+        devices=jax.devices()[:1],
+        stdout=False,
+    )
+    with pytest.raises(
+        NonFiniteError, match=r"first at step 6 .*may have come at step 5\).*detected at step 10"
+    ):
+        loop.next_checkpoint()
