@@ -301,8 +301,12 @@ def test_a_process_whose_data_ends_early_exits_1_and_the_other_70(tmp_path):
 
 def test_processes_that_built_other_models_are_told_so_before_a_step():
     results = launch(2, "--n-steps", "2", "--every", "1", "--width-of-process-1", "48")
-    for code, output in results:
-        assert code != 0, output[-2000:]
-        assert "The processes' training states differ: process 0 has" in output, output[-3000:]
-        assert "['model_params']['Dense_0']['bias'] (64,) float32" in output
-        assert "(48,) float32 (the first difference)" in output
+    assert all(code != 0 for code, _ in results), [output[-2000:] for _, output in results]
+    # Every process finds the difference; the first to exit takes the
+    # coordinator (process 0 hosts it) down, and JAX may end a slower one
+    # before it prints: the message is in one output at least.
+    told = [output for _, output in results if "training states differ" in output]
+    assert told, [output[-3000:] for _, output in results]
+    assert "The processes' training states differ: process 0 has" in told[0]
+    assert "['model_params']['Dense_0']['bias'] (64,) float32" in told[0]
+    assert "(48,) float32 (the first difference)" in told[0]
