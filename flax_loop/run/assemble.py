@@ -61,17 +61,11 @@ from flax_loop.run.options import (
 from flax_loop.run.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
-from flax_loop.run.throughput import (
-    Throughput,
-    TimeBreakdown,
-    TokenCount,
-    device_peak,
-    tokens_per_batch,
-)
+from flax_loop.run.throughput import TimeBreakdown, meter
 from flax_loop.step.compiled import CompiledSteps
 from flax_loop.step.core import Step
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
-from flax_loop.step.objective import Objective, StepInputs
+from flax_loop.step.objective import Objective, StepInputs, lora_hint
 from flax_loop.step.state import TrainState
 from flax_loop.step.statistics import counted
 from flax_loop.task import TrainTask, check_train_task
@@ -136,7 +130,7 @@ def assemble(
         intervals,
         placement,
         guard,
-        _throughput(feed, tree, placement, task.tokens),
+        meter(feed, tree, placement, task.tokens),
         TimeBreakdown(setup_seconds, steps.compile_seconds),
         stdout,
         report,
@@ -145,7 +139,7 @@ def assemble(
     )
     trained = trained_part.split(start.model_params)
     _say_set_up(runner, start.model_params, trained, placement, setup_seconds, stdout, layout)
-    _say_hint(objective.lora_hint(), stdout)
+    _say_hint(lora_hint(objective), stdout)
     return runner
 
 
@@ -372,32 +366,4 @@ def _init_inputs(
         "With compute_loss, the model is initialized with input_sample: pass "
         "TrainLoop(..., input_sample=x), x inputs of the model (a batch of them); "
         f"the first batch is {jax.tree.map(np.shape, given)}, not a pair (inputs, targets)."
-    )
-
-
-def _throughput(
-    feed: BatchFeed, tree: BatchTree | None, placement: Placement, tokens: TokenCount | None
-) -> Throughput:
-    r"""A run's meter, from its feed's first batch (`tree`: its structure,
-    for a `compute_loss` task) and its devices.
-
-    Raises:
-        ConfigError: for a `tokens` that fails.
-    """
-    sample = feed.sample
-    if tree is None:
-        inputs, targets = sample
-        one_each = len(inputs) == len(targets) == 1
-        given = (inputs[0], targets[0]) if one_each else (inputs, targets)
-        first_input = inputs[0] if inputs else None
-    else:
-        given = tree.unflatten(sample)
-        first_input = jax.tree.leaves(sample)[0]
-    processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
-    counted = tokens_per_batch(tokens, given, first_input)
-    return Throughput(
-        examples_per_step=feed.spec.batch_size * processes,
-        tokens_per_step=None if counted is None else counted * processes,
-        n_devices=placement.n_devices,
-        peak_flops=device_peak(placement.devices[0]),
     )

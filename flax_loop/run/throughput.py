@@ -47,9 +47,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
+from flax_loop.data.batch import BatchTree
+from flax_loop.data.feed import BatchFeed
 from flax_loop.errors import ConfigError
+from flax_loop.parallel import Placement
 
 PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
@@ -284,3 +288,31 @@ def describe(breakdown: dict[str, Any]) -> str:
         key=lambda item: -item[1],
     )
     return ", ".join(f"{names.get(part, part)} {share:.0%}" for part, share in shares)
+
+
+def meter(
+    feed: BatchFeed, tree: BatchTree | None, placement: Placement, tokens: TokenCount | None
+) -> Throughput:
+    r"""A run's meter, from its feed's first batch (`tree`: its structure,
+    for a `compute_loss` task) and its devices.
+
+    Raises:
+        ConfigError: for a `tokens` that fails.
+    """
+    sample = feed.sample
+    if tree is None:
+        inputs, targets = sample
+        one_each = len(inputs) == len(targets) == 1
+        given = (inputs[0], targets[0]) if one_each else (inputs, targets)
+        first_input = inputs[0] if inputs else None
+    else:
+        given = tree.unflatten(sample)
+        first_input = jax.tree.leaves(sample)[0]
+    processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
+    counted = tokens_per_batch(tokens, given, first_input)
+    return Throughput(
+        examples_per_step=feed.spec.batch_size * processes,
+        tokens_per_step=None if counted is None else counted * processes,
+        n_devices=placement.n_devices,
+        peak_flops=device_peak(placement.devices[0]),
+    )

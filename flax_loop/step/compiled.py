@@ -56,24 +56,19 @@ class CompiledSteps:
 
     Args:
         update: the per-device update (`flax_loop.step.statistics.counted`).
-        placement: the devices.
-        state: the initial state, placed.
+        placement, state: the devices; the initial state, placed.
         sample_batch: `sample_batch(n_steps)`, a batch as the steps take it
             (`n_steps` stacked for several), for the programs' shapes.
-        key: the replicated key the steps take.
-        plan: the dispatch plan.
+        key, plan: the replicated key the steps take; the dispatch plan.
         shardings: the state's shardings, or `None` when replicated.
         grads_like: maps a tree shaped as the parameters to one shaped as
             the step's gradients (`Objective.grads_like`); identity by default.
         interrupted: asked while a program waits for its compilation (once
             true, the call raises `KeyboardInterrupt`), or `None`.
-        defer: compile nothing until a program is first called (a run with
-            nothing left to train: its first variant is traced, so a model's
-            or loss's error is still raised here).
+        defer: compile each program when first called (nothing left to
+            train; the first variant is still traced, for its errors).
         program_key: what determines the programs but their arguments'
-            shapes (`flax_loop.step.cache`): a later `CompiledSteps` of the same
-            key and shapes in this process takes the programs compiled here;
-            `None` compiles every program anew.
+            shapes (`flax_loop.step.cache`), or `None` (compile all anew).
     """
 
     def __init__(
@@ -241,26 +236,11 @@ class CompiledSteps:
             return
         program = self._closing_groups.get(size)
         if program is None:
-            stacked = self._stacked
-            assert stacked is not None, "closing groups come with several steps a dispatch"
-            closing = jax.tree.map(
-                lambda leaf: jax.ShapeDtypeStruct(
-                    (size, *leaf.shape[1:]), leaf.dtype, sharding=getattr(leaf, "sharding", None)
-                ),
-                stacked,
+            assert self._stacked is not None, "closing groups come with several steps a dispatch"
+            compile = self._variants.closing_group(
+                size, self._lower, self._abstract, self._shardings, self._stacked
             )
-            lowering = functools.partial(
-                self._lower, self._abstract, closing, n_steps=size, with_grads=True, closing=True
-            )
-            key = self._variants.cache_key(
-                "closing group", size, signature(self._abstract), signature(self._shardings)
-            )
-            program = Compiling(
-                functools.partial(cache.compiled, key, lambda: lowering().compile()),
-                self.programs,
-                MANY_LAST,
-                waited=self._waited,
-            )
+            program = Compiling(compile, self.programs, MANY_LAST, waited=self._waited)
             self._closing_groups[size] = program
         self.programs[MANY_LAST] = program
 

@@ -206,27 +206,6 @@ class Objective:
         r"""The parameters some part trains."""
         return union(self.partitions(params), params)
 
-    def lora_hint(self) -> str | None:
-        r"""For an NNX module holding `nnx.LoRAParam`s that every part trains
-        whole (no `trainable`), the line that says so and how to train the
-        LoRA parameters alone; `None` otherwise."""
-        if self._nnx is None or any(part.trainable is not None for part in self.parts):
-            return None
-        from flax import nnx
-
-        variables = jax.tree.leaves(
-            self._nnx.params_state, is_leaf=lambda leaf: isinstance(leaf, nnx.Variable)
-        )
-        lora = sum(v.size for v in variables if isinstance(v, nnx.LoRAParam))
-        if not lora:
-            return None
-        total = sum(v.size for v in variables)
-        return (
-            f"The model holds {lora:,} LoRA parameters (nnx.LoRAParam) and every one of its "
-            f"{total:,} parameters trains, the base too: pass TrainTask(..., trainable="
-            "nnx.LoRAParam) to train the LoRA parameters alone."
-        )
-
     def init_optimizer(self, params: Any) -> Any:
         r"""The optimizer state for `params`: one part's, or a dict by part name.
 
@@ -328,6 +307,28 @@ class Objective:
                 bound.model, given, rng=rng, step=step, frozen=self.frozen_view(frozen)
             )
         return part.compute_loss(bound.model, given, rng=rng, step=step)
+
+
+def lora_hint(objective: Objective) -> str | None:
+    r"""For an NNX module holding `nnx.LoRAParam`s that every part trains
+    whole (no `trainable`), the line that says so and how to train the
+    LoRA parameters alone; `None` otherwise."""
+    if objective._nnx is None or any(part.trainable is not None for part in objective.parts):
+        return None
+    from flax import nnx
+
+    variables = jax.tree.leaves(
+        objective._nnx.params_state, is_leaf=lambda leaf: isinstance(leaf, nnx.Variable)
+    )
+    lora = sum(v.size for v in variables if isinstance(v, nnx.LoRAParam))
+    if not lora:
+        return None
+    total = sum(v.size for v in variables)
+    return (
+        f"The model holds {lora:,} LoRA parameters (nnx.LoRAParam) and every one of its "
+        f"{total:,} parameters trains, the base too: pass TrainTask(..., trainable="
+        "nnx.LoRAParam) to train the LoRA parameters alone."
+    )
 
 
 def supervised_loss(loss: Callable[..., Any]) -> Callable[[Any, Batch], Any]:

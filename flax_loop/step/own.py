@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding
 from flax_loop.errors import ConfigError, LossError
 from flax_loop.random import loss_key, step_keys
 from flax_loop.step.core import Context, Field, Fields, Outcome, Step
+from flax_loop.step.model import split_loss
 from flax_loop.step.objective import Objective
 from flax_loop.step.parts import _pmean_floating
 
@@ -222,8 +223,8 @@ def own_step(
         if not reads_data:
             given = None
         rng = loss_key(context.key, number, device_index)
-        new, metrics = _checked(update(state, given, rng=rng, step=context.step), update)
-        loss = metrics.pop("loss")
+        result = update(state, given, rng=rng, step=context.step)
+        new, loss, metrics = _checked(result, update, averaged_over is not None)
         if averaged_over is not None:
             loss, metrics = jax.lax.pmean((loss, metrics), averaged_over)
         new_fields = {
@@ -245,9 +246,12 @@ def _averaged(tree: Any, axis_name: str | None) -> Any:
     return tree if axis_name is None else _pmean_floating(tree, axis_name)
 
 
-def _checked(result: Any, update: UpdateFn) -> tuple[StepState, dict[str, jax.Array]]:
-    r"""What `update` returned, as `(state, metrics)`, or a `ConfigError`/
-    `LossError` naming what is wrong."""
+def _checked(
+    result: Any, update: UpdateFn, per_device: bool
+) -> tuple[StepState, jax.Array, dict[str, jax.Array]]:
+    r"""What `update` returned, as `(state, loss, metrics)` (checked as a
+    built-in step's loss is, `split_loss`), or a `ConfigError`/`LossError`
+    naming what is wrong."""
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StepState)):
         got = (
             f"a tuple of {len(result)}: ({', '.join(type(item).__name__ for item in result)})"
@@ -266,20 +270,10 @@ def _checked(result: Any, update: UpdateFn) -> tuple[StepState, dict[str, jax.Ar
             f"the interval's mean, the non-finite check and the progress bar read); "
             f"{_name(update)} returned {metrics!r:.200}."
         )
-    checked = {}
-    for name, value in metrics.items():
-        array = jnp.asarray(value)
-        if (
-            not isinstance(name, str)
-            or array.shape != ()
-            or not jnp.issubdtype(array.dtype, jnp.number)
-        ):
-            raise LossError(
-                f"task.update's metrics must map names to scalars; {name!r} is "
-                f"{array.dtype}{list(array.shape)} (reduce it with .mean())."
-            )
-        checked[name] = array.astype(jnp.float32)
-    return state, checked
+    # the loss and the metrics as a built-in step's loss returns them
+    others = {name: value for name, value in metrics.items() if name != "loss"}
+    loss, checked = split_loss((metrics["loss"], others), per_device)
+    return state, loss, checked
 
 
 def _name(fn: Any) -> str:

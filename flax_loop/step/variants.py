@@ -185,6 +185,31 @@ class Variants:
         )
         return lower_variant(lower_with, name, state, self.key, self.plan, self.batches)
 
+    def closing_group(
+        self,
+        size: int,
+        lower: Callable[..., jax.stages.Lowered],
+        state: Any,
+        shardings: TrainState | None,
+        stacked: Batch,
+    ) -> Callable[[], Any]:
+        r"""`compile()` of the interval's closing group of `size` steps (a
+        changed cadence's), `lower` the placement's `lower_update`, `stacked`
+        a planned group of batches (their shapes but the group's size)."""
+        closing = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(
+                (size, *leaf.shape[1:]), leaf.dtype, sharding=getattr(leaf, "sharding", None)
+            ),
+            stacked,
+        )
+        key = self.cache_key("closing group", size, signature(state), signature(shardings))
+
+        def compile() -> Any:
+            lowered = lower(state, closing, n_steps=size, with_grads=True, closing=True)
+            return lowered.compile()
+
+        return lambda: cache.compiled(key, compile)
+
     def first(
         self, name: str, state: TrainState, shardings: TrainState | None, packing: Packing | None
     ) -> tuple[Any, Callable[[], Any], TrainState, TrainState | None, Packing | None, str]:
