@@ -44,6 +44,7 @@ from flax_loop.errors import ApplyError, ConfigError, DataExhaustedError, check_
 from flax_loop.parallel import InFlight, Placement, to_host
 from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
 from flax_loop.step.modules import as_apply
+from flax_loop.step.several import is_several
 from flax_loop.task import EvalTask
 
 Totals = dict[str, jax.Array]
@@ -95,6 +96,14 @@ class EvalLoop:
                 raise ConfigError(f"metric {name!r} is not callable: {metric!r}.")
         if devices is None and n_devices is not None:
             devices = jax.devices()[: check_count("n_devices", n_devices, 1, len(jax.devices()))]
+        models: Any = task.apply
+        if is_several(models):
+            raise ConfigError(
+                f"EvalTask.apply is a dict of models {list(models)}: an evaluation "
+                "calls one model. Pass the one to evaluate on its share of the "
+                "variables, such as apply=lambda variables, *x, **kw: critic.apply("
+                "{c: v['critic'] for c, v in variables.items() if 'critic' in v}, *x, **kw)."
+            )
         self._task = task
         self._apply = as_apply(task.apply, train=False)
         self._n_steps = n_steps

@@ -12,6 +12,7 @@ from flax_loop.step.core import Transform
 from flax_loop.step.modules import is_nnx
 from flax_loop.step.objective import LossFn, check_compute_loss
 from flax_loop.step.own import check_update
+from flax_loop.step.several import check_models, is_several, trains_by_model
 
 MetricFn = Callable[..., Any]
 
@@ -199,20 +200,18 @@ def check_train_task(task: Any) -> TrainTask:
         ConfigError: naming what is missing or of the wrong kind.
     """
     _check_form(task)
-    if _is_linen_module(task.apply):
-        raise ConfigError(
-            f"task.apply is the linen module {type(task.apply).__name__}: pass its apply "
-            "function, TrainTask(model.apply, ...), and its init, TrainLoop(init=model.init, "
-            "...) (an NNX module goes as itself)."
-        )
-    if not (callable(task.apply) or is_nnx(task.apply)):
-        raise ConfigError(f"task.apply must be callable; got {task.apply!r}.")
-    if hasattr(task.apply, "lower") and hasattr(task.apply, "trace"):  # jax.jit(model.apply)
-        raise ConfigError(
-            "task.apply is compiled with jax.jit: pass the un-jitted model.apply. "
-            "flax_loop compiles the whole step itself (the model, the loss and the "
-            "update as one program)."
-        )
+    if is_several(task.apply):
+        if getattr(task, "loss", None) is not None:
+            raise ConfigError(
+                f"task.apply is a dict of models {list(task.apply)}: a loss(*outputs, "
+                "*targets) calls one model; give compute_loss(model, batch, *, rng, step) "
+                "(model a dict by name) or update."
+            )
+        for name, model in task.apply.items():
+            _check_model(model, f"task.apply[{name!r}]")
+        check_models(task.apply, "task.apply")
+    else:
+        _check_model(task.apply, "task.apply")
     _check_optimizers(task)
     transforms = getattr(task, "transforms", ())
     if not isinstance(transforms, Sequence) or not all(map(callable, transforms)):
@@ -225,8 +224,31 @@ def check_train_task(task: Any) -> TrainTask:
         losses = compute_loss if isinstance(compute_loss, Mapping) else {None: compute_loss}
         for name, fn in losses.items():
             where = "task.compute_loss" + ("" if name is None else f"[{name!r}]")
-            check_compute_loss(fn, where, getattr(task, "frozen", None) is not None)
+            check_compute_loss(
+                fn,
+                where,
+                getattr(task, "frozen", None) is not None,
+                getattr(task, "carry", None) is not None,
+            )
     return task
+
+
+def _check_model(apply: Any, where: str) -> None:
+    r"""One model: an apply function (not jitted) or an NNX module."""
+    if _is_linen_module(apply):
+        raise ConfigError(
+            f"{where} is the linen module {type(apply).__name__}: pass its apply "
+            "function, TrainTask(model.apply, ...), and its init, TrainLoop(init=model.init, "
+            "...) (an NNX module goes as itself)."
+        )
+    if not (callable(apply) or is_nnx(apply)):
+        raise ConfigError(f"{where} must be callable; got {apply!r}.")
+    if hasattr(apply, "lower") and hasattr(apply, "trace"):  # jax.jit(model.apply)
+        raise ConfigError(
+            f"{where} is compiled with jax.jit: pass the un-jitted model.apply. "
+            "flax_loop compiles the whole step itself (the model, the loss and the "
+            "update as one program)."
+        )
 
 
 def _check_form(task: Any) -> None:
@@ -254,10 +276,11 @@ def _check_form(task: Any) -> None:
             "compute_loss(model, batch, *, rng, step) for a loss that calls the model, "
             "or update(state, batch, *, rng, step) for a step of your own."
         )
-    if getattr(task, "carry", None) is not None and update is None:
+    if getattr(task, "carry", None) is not None and update is None and compute_loss is None:
         raise ConfigError(
-            "task.carry is carried by a step of your own: pass update(state, batch, *, "
-            "rng, step), which reads and returns it as state.carry."
+            "task.carry is carried by a step that reads it: pass compute_loss(model, "
+            "batch, *, rng, step, carry) returning (loss, metrics, new_carry), or "
+            "update(state, batch, *, rng, step), which reads and returns it as state.carry."
         )
     if update is not None:
         check_update(update)
@@ -305,6 +328,8 @@ def _check_optimizers(task: Any) -> None:
                 "give both the same names, in the order each step runs them."
             )
     if keyed and not isinstance(getattr(task, "trainable", None), Mapping):
+        if trains_by_model(task):  # each optimizer trains the model of its name
+            return
         # each optimizer would otherwise train (and keep moments for) every parameter
         raise ConfigError(
             f"task.optimizer is a dict of optimizers {names}: say which parameters each "

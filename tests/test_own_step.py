@@ -408,7 +408,7 @@ def test_an_update_given_with_a_loss_or_a_carry_without_one_is_refused():
             ),
             rnkey=jax.random.key(0),
         )
-    with pytest.raises(ConfigError, match="task.carry is carried by a step of your own"):
+    with pytest.raises(ConfigError, match="task.carry is carried by a step that reads it"):
         TrainLoop(
             init=REGRESSOR.init,
             task=TrainTask(

@@ -83,6 +83,12 @@ class Saved:
         `TrainLoop(ema_decay=...)`; `None` without."""
         return self.carried.get("ema_params")
 
+    @property
+    def carry(self) -> Any:
+        r"""the arrays the step carries (`TrainTask(carry=...)`) as the step
+        left them; `None` without."""
+        return self.carried.get("carry")
+
     def saved_state(self) -> "SavedState":
         r"""The record of what this holds that a run resumes from."""
         return SavedState(**{name: getattr(self, name) for name in SAVED_FIELDS})

@@ -24,7 +24,7 @@ devices; the compiled step; the interval closer. The result is a `Runner`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -66,6 +66,7 @@ from flax_loop.step.compiled import CompiledSteps
 from flax_loop.step.core import Step
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
+from flax_loop.step.several import as_one, is_several
 from flax_loop.step.state import TrainState
 from flax_loop.step.statistics import counted
 from flax_loop.task import TrainTask, check_train_task
@@ -103,7 +104,7 @@ def assemble(
     objective, tree, feed = _objective_and_feed(
         task, options, placement, guard, collections, mutable_collections
     )
-    inputs = _init_inputs(input_sample, feed.sample, tree, is_nnx(task.apply))
+    inputs = _init_inputs(input_sample, feed.sample, tree, task.apply)
     key = as_typed_key(rnkey)
     init_labels = labels_of(collections, "init")
     model = (init_fn, key, inputs, init_labels, mutable_collections)
@@ -166,7 +167,7 @@ def _objective_and_feed(
     r"""What the step optimizes, the structure of a `compute_loss` task's
     batches, and the feed (its first batch read: the run's shapes)."""
     apply_labels = labels_of(collections, "apply")
-    if is_nnx(task.apply) and not apply_labels:
+    if is_nnx(as_one(task.apply)) and not apply_labels:
         apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
     tree = None if getattr(task, "loss", None) is not None else BatchTree()
     objective = Objective.of(task, task.apply, apply_labels, mutable_collections, tree)
@@ -337,15 +338,30 @@ def _compiled(
 
 
 def _init_inputs(
-    input_sample: Any, sample: Batch, tree: BatchTree | None, nnx_model: bool
+    input_sample: Any, sample: Batch, tree: BatchTree | None, apply: Any
 ) -> tuple[Any, ...]:
     r"""The inputs `init` is called with: `input_sample`, or the first batch's
     inputs (a batch of any structure has them if it is a pair `(inputs,
-    targets)`; an NNX module needs none).
+    targets)`; an NNX module needs none; several linen models take a dict
+    of each one's inputs).
 
     Raises:
         ConfigError: if a linen model's inputs cannot be found.
     """
+    nnx_model = is_nnx(as_one(apply))
+    if is_several(apply) and not nnx_model:
+        if not isinstance(input_sample, Mapping):
+            raise ConfigError(
+                f"Several linen models are initialized each with its own inputs: pass "
+                f"TrainLoop(..., input_sample={{name: inputs}}) for {list(apply)}; got "
+                f"input_sample={type(input_sample).__name__}."
+            )
+        return (
+            {
+                name: normalize_group(x, f"input_sample[{name!r}]")
+                for name, x in input_sample.items()
+            },
+        )
     if isinstance(input_sample, (int, float)) and not isinstance(input_sample, bool):
         raise ConfigError(
             f"input_sample is the number {input_sample!r}: TrainLoop's positional "

@@ -20,6 +20,7 @@ from flax_loop.errors import ConfigError, check_count
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.run.initial import InitFn, Reader
 from flax_loop.run.profiling import ProfileSteps
+from flax_loop.step import several
 from flax_loop.step.modules import as_init
 from flax_loop.step.nonfinite import MODES as NONFINITE_MODES
 from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding, check_sharding
@@ -84,7 +85,7 @@ def as_reader(init: InitFn | Reader) -> tuple[InitFn, Reader | None]:
         ConfigError: if `init` is neither.
     """
     reader = init if isinstance(init, (CheckpointFileReader, OrbaxCheckpointReader)) else None
-    init_fn = as_init(reader.target if reader is not None else init)
+    init_fn = as_init(several.as_init(reader.target if reader is not None else init))
     if not callable(init_fn):
         raise ConfigError(
             f"init must be a model's init function or a CheckpointFileReader; got {init_fn!r}."

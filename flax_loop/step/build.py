@@ -74,7 +74,7 @@ def task_step(
     if update is not None:
         base = own_step(update, objective, carry, axis_name, shards, reads_data)
     else:
-        base = parts_step(objective, axis_name, shards)
+        base = parts_step(objective, axis_name, shards, carry)
     return chain(base, *applied)
 
 

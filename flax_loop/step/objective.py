@@ -40,6 +40,7 @@ from flax_loop.data.batch import Batch, BatchTree
 from flax_loop.errors import ConfigError
 from flax_loop.step.model import LinenModel, as_outputs
 from flax_loop.step.modules import NNXModel, is_nnx
+from flax_loop.step.several import LinenModels, as_one, default_trainable, is_several
 from flax_loop.step.trainable import Partition, union
 
 
@@ -99,6 +100,7 @@ class Objective:
         supervised: bool = False,
         batch_tree: BatchTree | None = None,
     ) -> None:
+        apply = as_one(apply)  # several NNX modules: one nnx.Dict
         self.parts = tuple(parts)
         self.keyed = self.parts[0].name is not None
         self.rng_labels = list(rng_labels)
@@ -117,6 +119,8 @@ class Objective:
         self._frozen = frozen
         self._partitions: list[Partition] | None = None
         self._passes_frozen = frozen is not None and not supervised
+        self.carries = False
+        r"""whether the losses take `carry=` and return a new one (`TrainTask.carry`)."""
         self.losses: Any = None
         r"""the task's loss functions as it gave them (`loss`, `compute_loss`),
         for `key` (a supervised part's loss is a wrapper of its own)."""
@@ -151,6 +155,7 @@ class Objective:
             frozen,
             self.supervised,
             tree,
+            self.carries,
         )
 
     @classmethod
@@ -169,7 +174,7 @@ class Objective:
         # a task's own `update` has no loss of the objective's: its parts are
         # its optimizers and what each trains
         losses: Any = supervised_loss(task.loss) if supervised else compute_loss
-        optimizer, trainable = task.optimizer, getattr(task, "trainable", None)
+        optimizer, trainable = task.optimizer, default_trainable(task)
         frozen = getattr(task, "frozen", None)
         if frozen is not None and not isinstance(frozen, Mapping):
             frozen = {"frozen": frozen}
@@ -189,6 +194,7 @@ class Objective:
             parts, apply, rng_labels, mutable_collections, frozen, supervised, batch_tree
         )
         objective.losses = getattr(task, "loss", None) or compute_loss
+        objective.carries = compute_loss is not None and getattr(task, "carry", None) is not None
         return objective
 
     # -- parameters and optimizer states ------------------------------------
@@ -274,6 +280,8 @@ class Objective:
         if self._nnx is not None:
             carries = self.mutable_collections not in (False, None)
             return self._nnx.bind({"params": params, **model_state}, rngs, carries)
+        if is_several(self._apply):
+            return LinenModels(self._apply, params, model_state, rngs, self.mutable_collections)
         return LinenModel(self._apply, params, model_state, rngs, self.mutable_collections)
 
     def frozen_arrays(self) -> Any:
@@ -294,19 +302,28 @@ class Objective:
         }
 
     def call_loss(
-        self, part: Part, bound: Any, batch: Batch, rng: jax.Array, step: jax.Array, frozen: Any
+        self,
+        part: Part,
+        bound: Any,
+        batch: Batch,
+        rng: jax.Array,
+        step: jax.Array,
+        frozen: Any,
+        carry: Any = None,
     ) -> Any:
-        r"""What `part.compute_loss` returns for the batch."""
+        r"""What `part.compute_loss` returns for the batch (given `carry=`
+        when the task carries arrays)."""
         assert part.compute_loss is not None, "a task's own step calls no part's loss"
         if self.supervised:
             return part.compute_loss(bound, batch)
         assert self.batch_tree is not None, "the feed sets the batches' structure"
         given = self.batch_tree.unflatten(batch)
+        keywords: dict[str, Any] = {"rng": rng, "step": step}
         if self._passes_frozen:
-            return part.compute_loss(
-                bound.model, given, rng=rng, step=step, frozen=self.frozen_view(frozen)
-            )
-        return part.compute_loss(bound.model, given, rng=rng, step=step)
+            keywords["frozen"] = self.frozen_view(frozen)
+        if self.carries:
+            keywords["carry"] = carry
+        return part.compute_loss(bound.model, given, **keywords)
 
 
 def lora_hint(objective: Objective) -> str | None:
@@ -342,8 +359,9 @@ def supervised_loss(loss: Callable[..., Any]) -> Callable[[Any, Batch], Any]:
     return compute_loss
 
 
-def check_compute_loss(compute_loss: Any, name: str, frozen: bool) -> None:
-    r"""Checks that `compute_loss` takes `(model, batch, *, rng, step[, frozen])`.
+def check_compute_loss(compute_loss: Any, name: str, frozen: bool, carry: bool = False) -> None:
+    r"""Checks that `compute_loss` takes `(model, batch, *, rng, step[,
+    frozen][, carry])`.
 
     Raises:
         ConfigError: naming what the signature lacks.
@@ -354,7 +372,7 @@ def check_compute_loss(compute_loss: Any, name: str, frozen: bool) -> None:
         signature = inspect.signature(compute_loss)
     except (TypeError, ValueError):
         return  # a builtin or C function: it will be called as documented
-    keywords = ["rng", "step"] + (["frozen"] if frozen else [])
+    keywords = ["rng", "step"] + (["frozen"] if frozen else []) + (["carry"] if carry else [])
     parameters = signature.parameters.values()
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
         keywords = []
@@ -369,7 +387,8 @@ def check_compute_loss(compute_loss: Any, name: str, frozen: bool) -> None:
     if missing or (len(positional) < 2 and not varargs):
         raise ConfigError(
             f"{name} must be compute_loss(model, batch, *, rng, step"
-            f"{', frozen' if frozen else ''}) -> loss or (loss, metrics); "
+            f"{', frozen' if frozen else ''}{', carry' if carry else ''}) -> "
+            f"{'(loss, metrics, new_carry)' if carry else 'loss or (loss, metrics)'}; "
             f"{compute_loss!r} has the signature {signature}"
             f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}."
         )

@@ -50,10 +50,7 @@ from flax_loop.random import loss_key, step_keys
 from flax_loop.step.core import Context, Field, Fields, Outcome, Step
 from flax_loop.step.model import split_loss
 from flax_loop.step.objective import Objective
-from flax_loop.step.parts import _pmean_floating
-
-CARRY = "carry"
-r"""The field the step's own arrays are carried (and saved) as."""
+from flax_loop.step.parts import CARRY, _pmean_floating, carry_init
 
 UpdateFn = Callable[..., Any]
 r"""`update(state, batch, *, rng, step) -> (state, metrics)`."""
@@ -75,6 +72,8 @@ class _Env:
         self.objective, self.partitions = objective, partitions
         self.axis_name, self.rngs, self.frozen = axis_name, rngs, frozen
         self.names = [part.name for part in objective.parts]
+        self.bound: dict[int, Any] = {}
+        r"""the bindings `StepState.model` made, by the model's id"""
 
     def index(self, name: str | None) -> int:
         if name in self.names:
@@ -135,7 +134,26 @@ class StepState:
         if rng is not None:
             rngs = {label: jax.random.fold_in(rng, index) for index, label in enumerate(rngs)}
         params = self.params if params is None else params
-        return env.objective.bind(params, self.model_state, rngs).model
+        bound = env.objective.bind(params, self.model_state, rngs)
+        env.bound[id(bound.model)] = bound  # held: the id stays its own
+        return bound.model
+
+    def model_state_after(self, model: Any) -> Any:
+        r"""The model state after the calls of `model` (one `state.model()`
+        gave): what a BatchNorm's statistics are after them. Return it from
+        the function you differentiate (`has_aux=True`), then carry it:
+        `state.replace(model_state=...)`.
+
+        Raises:
+            ConfigError: for a model `state.model()` did not give.
+        """
+        bound = self.env.bound.get(id(model))
+        if bound is None:
+            raise ConfigError(
+                f"state.model_state_after takes a model state.model(params) gave; got "
+                f"{type(model).__name__}."
+            )
+        return {**self.model_state, **bound.collected()}
 
     def apply_gradients(self, grads: Any, name: str | None = None) -> StepState:
         r"""The state after one update of optimizer `name` (the task's one
@@ -195,11 +213,6 @@ def own_step(
     averaged_over = axis_name if shards is None else None
     partitions: list[Any] = []
 
-    def init(fields: Fields) -> Fields:
-        if carry is None:
-            return dict(fields)
-        return {**fields, CARRY: jax.tree.map(jnp.asarray, carry)}
-
     def step_update(fields: Fields, batch: Any, context: Context) -> tuple[Fields, Outcome]:
         params = fields["model_params"]
         if not partitions:
@@ -237,7 +250,7 @@ def own_step(
             new_fields[CARRY] = _averaged(new.carry, averaged_over)
         return new_fields, Outcome(loss, metrics, new.grads, jnp.isfinite(loss))
 
-    return Step(init, step_update, {} if carry is None else {CARRY: Field()})
+    return Step(carry_init(carry), step_update, {} if carry is None else {CARRY: Field()})
 
 
 def _averaged(tree: Any, axis_name: str | None) -> Any:

@@ -34,10 +34,10 @@ import optax
 from jax.sharding import NamedSharding
 
 from flax_loop.data.batch import Batch
-from flax_loop.errors import ApplyError, ConfigError
+from flax_loop.errors import ApplyError, ConfigError, LossError
 from flax_loop.parallel import key_names
 from flax_loop.random import loss_key, step_keys
-from flax_loop.step.core import Context, Fields, Outcome, Step
+from flax_loop.step.core import Context, Field, Fields, Outcome, Step
 from flax_loop.step.model import split_loss
 from flax_loop.step.objective import Objective
 
@@ -53,8 +53,27 @@ def _pmean_floating(tree: Any, axis_name: str) -> Any:
     return jax.tree.map(average, tree)
 
 
+CARRY = "carry"
+r"""The field a task's `carry` is carried (and saved) as."""
+
+
+def carry_init(carry: Any) -> Any:
+    r"""A step's `init` declaring the `CARRY` field of the initial arrays
+    `carry` (nothing without)."""
+
+    def init(fields: Fields) -> Fields:
+        if carry is None:
+            return dict(fields)
+        return {**fields, CARRY: jax.tree.map(jnp.asarray, carry)}
+
+    return init
+
+
 def parts_step(
-    objective: Objective, axis_name: str | None, shards: NamedSharding | None = None
+    objective: Objective,
+    axis_name: str | None,
+    shards: NamedSharding | None = None,
+    carry: Any = None,
 ) -> Step:
     r"""The objective's step, as seen by one device (or, with `shards`, by all).
 
@@ -76,11 +95,17 @@ def parts_step(
             then the averaged gradient, and XLA reduces it as the
             parameters' layout needs (never one whole gradient per shard).
 
+        carry: the initial arrays the losses carry (`TrainTask.carry`), or
+            `None`: each loss then takes `carry=` and returns `(loss, metrics,
+            new_carry)`, which the next part (and step) is given.
+
     Returns:
-        the step, carrying `CORE` only; its `Outcome.grads` are the last
-        part's gradients, or with several parts a dict of each part's by name.
+        the step, carrying `CORE` (and `CARRY` with a `carry`); its
+        `Outcome.grads` are the last part's gradients, or with several parts
+        a dict of each part's by name.
     """
-    return Step(dict, _Parts(objective, axis_name, shards).update)
+    fields = {} if carry is None else {CARRY: Field()}
+    return Step(carry_init(carry), _Parts(objective, axis_name, shards).update, fields)
 
 
 class _Parts:
@@ -105,8 +130,10 @@ class _Parts:
         batch: Batch,
         context: Context,
         index: int,
+        carry: Any = None,
     ) -> tuple[jax.Array, Any]:
-        r"""Part `index`'s loss on one device's batch, `(loss, (mutated, metrics))`."""
+        r"""Part `index`'s loss on one device's batch, `(loss, (mutated,
+        metrics, carry))`."""
         objective, axis_name = self.objective, self.axis_name
         device_index = jax.lax.axis_index(axis_name) if axis_name else 0
         number = context.step + 1  # keys derive from the step counted from 1
@@ -118,10 +145,12 @@ class _Parts:
         part, partition = objective.parts[index], self.partitions[index]
         bound = objective.bind(partition.merge(params, trainable), model_state, rngs)
         # the loss's `step`: the updates done before this one (0 first)
-        result = objective.call_loss(part, bound, batch, rng, context.step, context.frozen)
+        result = objective.call_loss(part, bound, batch, rng, context.step, context.frozen, carry)
         _refuse_written(bound)
+        if objective.carries:
+            result, carry = split_carry(result, part.name)
         loss_value, metrics = split_loss(result, axis_name is not None)
-        return loss_value, (bound.collected(), metrics)
+        return loss_value, (bound.collected(), metrics, carry)
 
     def over_shards(
         self,
@@ -131,6 +160,7 @@ class _Parts:
         batch: Batch,
         context: Context,
         index: int,
+        carry: Any = None,
     ) -> tuple[jax.Array, Any]:
         r"""`per_device` mapped over the batch's shards (a sharded state)."""
         shards, axis_name = self.shards, self.axis_name
@@ -140,17 +170,20 @@ class _Parts:
             lambda leaf: leaf.reshape(n_shards, leaf.shape[0] // n_shards, *leaf.shape[1:]), batch
         )
         split = jax.lax.with_sharding_constraint(split, shards)
-        losses, (mutated, metrics) = jax.vmap(
-            lambda shard: self.per_device(trainable, params, model_state, shard, context, index),
+        losses, (mutated, metrics, carry) = jax.vmap(
+            lambda shard: self.per_device(
+                trainable, params, model_state, shard, context, index, carry
+            ),
             axis_name=axis_name,
         )(split)
+
         # pmean semantics: floating leaves averaged over the shards, integer
         # ones (counters) as shard 0 has them.
-        mutated = jax.tree.map(
-            lambda leaf: leaf.mean(0) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf[0],
-            mutated,
-        )
-        return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics))
+        def one(leaf: jax.Array) -> jax.Array:
+            return leaf.mean(0) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf[0]
+
+        mutated, carry = jax.tree.map(one, (mutated, carry))
+        return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics), carry)
 
     def run_part(
         self, index: int, fields: Fields, optimizer_state: Any, batch: Batch, context: Context
@@ -159,12 +192,12 @@ class _Parts:
         partition, axis_name = self.partitions[index], self.axis_name
         params, model_state = fields["model_params"], fields["model_state"]
         trainable = partition.split(params)
-        (loss_value, (mutated, metrics)), grads = self.gradient(
-            trainable, params, model_state, batch, context, index
+        (loss_value, (mutated, metrics, carry)), grads = self.gradient(
+            trainable, params, model_state, batch, context, index, fields.get(CARRY)
         )
         if axis_name and self.shards is None:
             loss_value, grads, metrics = jax.lax.pmean((loss_value, grads, metrics), axis_name)
-            mutated = _pmean_floating(mutated, axis_name)
+            mutated, carry = _pmean_floating((mutated, carry), axis_name)
         # The interval's last step also returns the gradients. Without the
         # barrier XLA fuses the gradient into the optimizer's update in one
         # variant and not in the other, and their results differed in the
@@ -177,6 +210,8 @@ class _Parts:
         )
         params = partition.merge(params, optax.apply_updates(trainable, updates))
         fields = {**fields, "model_params": params, "model_state": {**model_state, **mutated}}
+        if self.objective.carries:
+            fields[CARRY] = carry
         return loss_value, metrics, grads, fields, optimizer_state
 
     def update(self, fields: Fields, batch: Batch, context: Context) -> tuple[Fields, Outcome]:
@@ -209,6 +244,19 @@ class _Parts:
         }
         grads = objective.by_part(all_grads)
         return fields, Outcome(loss_value, metrics, grads, jnp.isfinite(loss_value))
+
+
+def split_carry(result: Any, name: str | None) -> tuple[Any, Any]:
+    r"""A carrying loss's `(loss, metrics, new_carry)` as `((loss, metrics),
+    new_carry)`, or a `LossError` naming what it returned."""
+    if isinstance(result, tuple) and len(result) == 3:
+        return (result[0], result[1]), result[2]
+    where = "task.compute_loss" + ("" if name is None else f"[{name!r}]")
+    got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+    raise LossError(
+        f"With task.carry, {where} returns (loss, metrics, new_carry): the carry it was "
+        f"given changed or as it was ({{}} for no metrics); it returned {got}."
+    )
 
 
 def _refuse_written(bound: Any) -> None:
