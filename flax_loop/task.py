@@ -145,11 +145,19 @@ class TrainTask:
     collections the model's calls change."""
 
     carry: Any = None
-    r"""arrays (a pytree) your `update` carries from step to step, as
-    `state.carry`: a loss scale, a target network, an environment's state.
-    They are returned in `Checkpoint.carried["carry"]`, saved in files and
-    Orbax checkpoints, restored on resume and counted by the memory plan;
-    the step keeps their structure, dtypes and shapes."""
+    r"""arrays (a pytree) the step carries from step to step: a loss scale,
+    a target network, an environment's state; or a function of the initial
+    parameters returning them (`carry=lambda params: {"target": params}`,
+    called when training starts afresh, never on resume). `update` reads
+    them as `state.carry` and returns them changed with `state.replace(
+    carry=...)`; a `compute_loss` takes them as the keyword `carry` and
+    returns `(loss, metrics, new_carry)`. They are returned in
+    `Checkpoint.carry`, saved in files and Orbax checkpoints, restored on
+    resume, shown by `flax-loop show` and counted by the memory plan; the
+    step keeps their structure, dtypes and shapes. With several devices
+    they are one value for every replica: floating-point leaves are
+    averaged over the devices after each step; integer leaves (counters)
+    must come out of the step the same on every device."""
 
 
 @dataclass

@@ -59,12 +59,15 @@ r"""The field a task's `carry` is carried (and saved) as."""
 
 def carry_init(carry: Any) -> Any:
     r"""A step's `init` declaring the `CARRY` field of the initial arrays
-    `carry` (nothing without)."""
+    `carry`, or of `carry(params)` for a function of the initial parameters
+    (a target network starting as the online one); nothing without."""
 
     def init(fields: Fields) -> Fields:
         if carry is None:
             return dict(fields)
-        return {**fields, CARRY: jax.tree.map(jnp.asarray, carry)}
+        value = carry(fields["model_params"]) if callable(carry) else carry
+        # copies: a carried array never shares a buffer with another field
+        return {**fields, CARRY: jax.tree.map(jnp.array, value)}
 
     return init
 
