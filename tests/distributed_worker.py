@@ -47,6 +47,9 @@ def main() -> None:
         "--width-of-process-1", type=int, default=0, help="process 1 builds another model"
     )
     parser.add_argument("--orbax", action="store_true", help="Orbax checkpoints in --dir")
+    parser.add_argument(
+        "--own-step", action="store_true", help="the same training as a step of your own"
+    )
     parser.add_argument("--keep", type=int, default=1)
     parser.add_argument(
         "--grain", action="store_true", help="a grain pipeline, every process its own examples"
@@ -145,11 +148,20 @@ def main() -> None:
         else (CheckpointFileReader, CheckpointFileWriter)
     )
     init = reader(dir=args.dir, target=model.init) if args.dir else model.init
+
+    def update(state, batch, *, rng, step):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(state.model(p)(x), y))(
+            state.params
+        )
+        return state.apply_gradients(grads), {"loss": loss}
+
+    form = {"update": update} if args.own_step else {"loss": cross_entropy}
     loop = TrainLoop(
         sharding=args.sharding,
         fsdp_min_bytes=0,
         init=init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, local_batches()),
+        task=TrainTask(model.apply, optax.adam(1e-2), data=local_batches(), **form),
         rnkey=jax.random.key(0),
         n_steps=args.n_steps,
         n_steps_per_checkpoint=args.every,

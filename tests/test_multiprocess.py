@@ -129,6 +129,18 @@ def test_two_processes_compute_what_one_process_computes(tmp_path):
     assert float(two["accuracy"]) == pytest.approx(expected, abs=1e-6)
 
 
+def test_your_own_step_on_two_processes_sharded_computes_what_the_built_in_one_does(tmp_path):
+    # two processes of two devices each, the state split over them (fsdp):
+    # the built-in step, then your own step doing the same, bit for bit
+    options = ("--n-steps", 10, "--sharding", "fsdp")
+    succeed(2, *options, "--out", tmp_path / "built_in.npz")
+    succeed(2, *options, "--own-step", "--out", tmp_path / "own.npz")
+    own, built_in = params(tmp_path / "own.npz"), params(tmp_path / "built_in.npz")
+    assert own.keys() == built_in.keys()
+    for name in own:
+        np.testing.assert_array_equal(own[name], built_in[name], err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def straight_fsdp_run(tmp_path_factory):
     """One process on 4 devices, fsdp, 20 steps uninterrupted: its parameters,
