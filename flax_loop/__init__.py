@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from flax_loop.output.jsonlines import JsonLinesWriter
     from flax_loop.output.metric_store import MLflowWriter
     from flax_loop.output.tensorboard import SummaryWriter
+    from flax_loop.output.wandb_run import WandbWriter
     from flax_loop.parallel import DATA_AXIS
     from flax_loop.run.profiling import ProfileSteps
     from flax_loop.task import EvalTask, TrainTask
@@ -88,6 +89,7 @@ _HOMES = {
     "EvalTask": "flax_loop.task",
     "TrainTask": "flax_loop.task",
     "SummaryWriter": "flax_loop.output.tensorboard",
+    "WandbWriter": "flax_loop.output.wandb_run",
 }
 _HOMES.update({name: f"flax_loop.{name}" for name in ("checkpoint", "errors", "random")})
 # flax-extra programs import the summary writers from `flax_loop.checkpoint`:
@@ -128,6 +130,7 @@ __all__ = [
     "SummaryWriter",
     "TrainLoop",
     "TrainTask",
+    "WandbWriter",
     "__version__",
     "errors",
     "initialize_processes",

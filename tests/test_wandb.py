@@ -1,0 +1,96 @@
+"""`WandbWriter` writes a W&B run offline (`WANDB_MODE=offline`, never the
+network): its config, each checkpoint's and evaluation's metrics at their
+steps in one row a step, the last step in its summary; read back from the
+run's own file."""
+
+import glob
+import json
+import os
+
+import jax
+import optax
+import pytest
+
+from flax_loop import EvalLoop, EvalTask, TrainLoop, TrainTask, WandbWriter
+from flax_loop.errors import ConfigError
+from tests.helpers import MLP, accuracy, cross_entropy, digits_split
+
+wandb_proto = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+
+
+def records(path):
+    """The protobuf records of a `.wandb` file (a log of 32 KiB blocks, each
+    record a 7-byte header: checksum, length, kind; kinds 1 and 4 end one)."""
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    position, pending = 7, b""
+    while position + 7 <= len(data):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a header
+            position += 32768 - position % 32768
+            continue
+        length = int.from_bytes(data[position + 4 : position + 6], "little")
+        kind = data[position + 6]
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_proto.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def name(item):
+    """An item's key (W&B writes a key holding "/" as its parts)."""
+    return item.key or "/".join(item.nested_key)
+
+
+def test_a_run_holds_the_config_and_the_metrics_at_their_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    x, y, x_test, y_test = digits_split()
+    model = MLP()
+    data = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 320, 32)]
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, data),
+        rnkey=jax.random.key(0),
+        n_steps=20,
+        n_steps_per_checkpoint=10,
+        devices=jax.devices()[:1],
+        stdout=False,
+    )
+    evaluate = EvalLoop(
+        EvalTask(model.apply, {"accuracy": accuracy}, [(x_test, y_test)]),
+        rnkey=jax.random.key(1),
+        n_steps=None,
+    )
+    losses, accuracies = [], []
+    with WandbWriter(
+        project="digits", name="mlp", config={"learning_rate": 1e-2}, dir=str(tmp_path)
+    ) as write:
+        for checkpoint in loop:
+            write(checkpoint)
+            summary = write(evaluate(checkpoint))
+            losses.append(checkpoint.mean_loss)
+            accuracies.append(summary.metrics["eval"]["accuracy"])
+    (path,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "*.wandb"))
+    rows, config, summary = [], {}, {}
+    for record in records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            rows.append({name(item): json.loads(item.value_json) for item in record.history.item})
+        elif kind == "run":
+            config = {u.key: json.loads(u.value_json) for u in record.run.config.update}
+            assert record.run.project == "digits" and record.run.display_name == "mlp"
+        elif kind == "summary":
+            summary.update({name(u): json.loads(u.value_json) for u in record.summary.update})
+    assert config["learning_rate"] == 1e-2
+    assert [row["_step"] for row in rows] == [10, 20]
+    assert [row["train/loss"] for row in rows] == pytest.approx(losses, rel=1e-6)
+    assert [row["eval/accuracy"] for row in rows] == pytest.approx(accuracies, rel=1e-6)
+    assert summary["step"] == 20
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ConfigError, match="config must be a dict"):
+        WandbWriter(config=[("learning_rate", 1e-2)])
