@@ -104,9 +104,12 @@ class TrainLoop:
             raised at the next checkpoint; a step checks its loss, so a
             non-finite gradient with a finite loss is named a step late) or
             "skip" (that step's update is not applied).
-        progress: whether to show a progress bar (step, steps/s, ETA, the
-            latest checkpoint's loss); plain lines when stdout is not a
-            terminal. It never waits for the devices.
+        progress: whether to show a progress bar (steps, the loss of the
+            newest finished step, steps/s, elapsed time, ETA); by default
+            (None) when the console is a terminal and `stdout` is on, not in
+            notebooks. `True` shows it anywhere (plain lines every 30 s and
+            at checkpoints when the console is no terminal); `False` never.
+            It never waits for the devices.
         preemption_signals: signals that make the loop finish the current
             step, yield a checkpoint marked `preempted` and stop (SIGTERM and
             SIGINT with the default, None; `()` to disable).
@@ -166,7 +169,7 @@ class TrainLoop:
         stdout: bool = True,
         *,
         nonfinite: str = "raise",
-        progress: bool = False,
+        progress: bool | None = None,
         preemption_signals: Sequence[int] | None = None,
         steps_per_dispatch: int = 1,
         sharding: Sharding | None = None,

@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_a_stopped_run_ends_with_a_line_that_says_where_and_how_to_resume():
     steps = []
     for checkpoint in loop:
         steps.append(checkpoint.step)
-        if checkpoint.step == 10:
+        if steps == [5, 10]:  # once: a second signal would insist (its own handling)
             signal.raise_signal(signal.SIGUSR1)
     assert steps == [5, 10, 10] and checkpoint.preempted
     text = " ".join(out.getvalue().split())
@@ -118,3 +119,92 @@ def test_an_uncaught_ctrl_c_is_two_lines_not_a_traceback(when, said):
     assert said in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.rstrip().endswith("KeyboardInterrupt")
+
+
+# -- in a terminal: a pseudo-terminal, Ctrl-C typed as a user types it ---------
+
+TERMINAL_PROGRAM = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {root!r})
+    import jax, optax
+    from flax_loop import TrainLoop, TrainTask
+    from tests.helpers import MLP, batches, cross_entropy, digits_split
+    x, y, _, _ = digits_split()
+    model = MLP(features=(16,))
+    loop = TrainLoop(init=model.init, rnkey=jax.random.key(0), n_steps=10**7,
+                     n_steps_per_checkpoint={every},
+                     task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy,
+                                    batches(x, y, 32)))
+    print("READY", flush=True)
+    for checkpoint in loop:
+        print("BODY", flush=True)
+        time.sleep({sleep})
+    print("ENDED", flush=True)
+    """
+)
+
+
+def in_a_terminal(every, sleep, presses):
+    """Runs the program in a pseudo-terminal (the bar's default there), its
+    body sleeping `sleep` seconds; types Ctrl-C a second after each text of
+    `presses` is printed; returns its output and exit status."""
+    import pty
+    import select
+    import time
+
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the pseudo-terminal is its console
+        program = TERMINAL_PROGRAM.format(root=ROOT, every=every, sleep=sleep)
+        os.execv(sys.executable, [sys.executable, "-c", program])
+    output = b""
+
+    def read_until(text, seconds):
+        nonlocal output
+        deadline = time.monotonic() + seconds
+        while text not in output and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.05)[0]:
+                try:
+                    output += os.read(terminal, 65536)
+                except OSError:  # the program ended
+                    return
+
+    try:
+        for text in presses:
+            read_until(text, 120)
+            assert text in output, output.decode(errors="replace")
+            read_until(b"\xff", 1.0)  # the steps run (and the bar draws them)
+            os.write(terminal, b"\x03")
+        read_until(b"\xff", 60)  # to the end
+        _, status = os.waitpid(pid, 0)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(terminal)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace"))
+    return plain, status
+
+
+def test_in_a_terminal_one_ctrl_c_stops_after_the_bar_s_last_line():
+    out, status = in_a_terminal(every=10**6, sleep=0, presses=[b"READY"])
+    assert os.waitstatus_to_exitcode(status) == 0, out[-3000:]
+    assert "ENDED" in out and "KeyboardInterrupt" not in out
+    before, _, after = out.partition("Stopped:")
+    # the bar, by default in a terminal: its steps, the live loss, its labels
+    bar = [line for line in before.splitlines() if "steps/s" in line]
+    assert bar and "loss " in bar[-1] and "/10,000,000" in bar[-1], before[-3000:]
+    assert "stopping (Ctrl-C: stop now)" in before
+    assert "steps/s" not in after  # nothing of the bar after the closing line
+
+
+def test_in_a_terminal_a_second_ctrl_c_in_the_loop_body_raises_keyboard_interrupt():
+    # the first press while the steps run: the last checkpoint comes; the
+    # second while its body runs
+    out, status = in_a_terminal(every=10**6, sleep=60, presses=[b"READY", b"BODY"])
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGINT, out[-3000:]
+    assert "KeyboardInterrupt" in out and "ENDED" not in out
+    assert out.count("stopping after this step") <= 1  # the first press said once
+    assert "Traceback" not in out

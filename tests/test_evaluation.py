@@ -229,7 +229,7 @@ def render(processor_output_fn):
 
 
 def test_summary_logger_prints_a_table(checkpoint):
-    logger = SummaryLogger()
+    logger = SummaryLogger(verbose=True)
     first = Summary(metrics={"train": {"loss": 0.5}, "eval": {}}, **vars(checkpoint))
     later = Summary(
         metrics={"train": {"loss": 0.25}, "eval": {"accuracy": 0.97, "f1": 1e-7}},

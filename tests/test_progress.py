@@ -57,7 +57,8 @@ def test_bar_in_a_terminal():
         n_steps_per_checkpoint=10,
     )
     out = buffer.getvalue()
-    assert "20/20" in out and "steps/s" in out and "train" in out
+    assert "20/20" in out and "steps/s" in out and "elapsed 0:00:0" in out
+    assert "loss " in out  # the loss of the newest finished step
 
 
 def test_report_throttles_updates(monkeypatch):

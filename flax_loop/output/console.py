@@ -11,8 +11,8 @@ from flax_loop.log import console, is_main_process
 
 
 class SummaryLogger:
-    r"""Prints each summary (or checkpoint): a table of its groups and metrics,
-    or with `compact=True` one line.
+    r"""Prints each summary (or checkpoint) in one line, or with
+    `verbose=True` a table of its groups and every statistic.
 
     >>> import jax
     >>> import optax
@@ -37,14 +37,20 @@ class SummaryLogger:
     >>> print(render_line(eval_loop(checkpoint)))  # doctest: +ELLIPSIS
     Step 4: 1 step in ... s | train loss ... | eval accuracy ...
 
-    The compact line shows the interval's speed and, of the "train" group,
-    the loss, the loss function's metrics and the optimizer's
-    hyperparameters (the table shows every statistic). Only process 0
-    prints. Groups may be empty and metrics may appear later.
+    The line shows the interval's speed and, of the "train" group, the
+    loss, the loss function's metrics and the optimizer's hyperparameters;
+    the table (`verbose=True`) shows every statistic (gradient norms,
+    throughput, goodput, ...). Only process 0 prints. Groups may be empty
+    and metrics may appear later.
+
+    Args:
+        stdout: whether to print at all.
+        compact: one line a summary (the default); `False` is `verbose=True`.
+        verbose: a table of every statistic instead of the line.
     """
 
-    def __init__(self, stdout: bool = True, compact: bool = False) -> None:
-        self._stdout, self._compact = stdout, compact
+    def __init__(self, stdout: bool = True, compact: bool = True, verbose: bool = False) -> None:
+        self._stdout, self._compact = stdout, compact and not verbose
 
     def __call__(self, summary: Checkpoint) -> Checkpoint:
         r"""Prints the summary and returns what it was given, unchanged."""
@@ -81,7 +87,7 @@ def _title(summary: Summary) -> str:
     notes = [f"{compiling:.2f} s of it compiling"] if compiling >= 0.01 else []
     notes += ["preempted"] if summary.preempted else []
     return (
-        f"Step {summary.step}: {steps} step{'s' if steps != 1 else ''} in "
+        f"Step {summary.step:,}: {steps:,} step{'s' if steps != 1 else ''} in "
         f"{summary.elapsed_time:.2f} s" + (f" ({', '.join(notes)})" if notes else "")
     )
 

@@ -98,7 +98,7 @@ def assemble(
     options = options or Options()
     task = check_train_task(task)
     init_fn, reader = as_reader(init)
-    guard, report = _guard_and_report(options)
+    guard, report = _guard_and_report(options, stdout)
     placement = Placement(devices, options.mesh, options.batch_axis)
     plan = DispatchPlan(every, options.steps_per_dispatch)
     objective, tree, feed = _objective_and_feed(
@@ -144,14 +144,21 @@ def assemble(
     return runner
 
 
-def _guard_and_report(options: Options) -> tuple[PreemptionGuard, ProgressReport | None]:
-    r"""The signal guard and, when asked for (on the main process), the
-    progress bar, which then shows a stop request in its line."""
+def _guard_and_report(
+    options: Options, stdout: bool
+) -> tuple[PreemptionGuard, ProgressReport | None]:
+    r"""The signal guard and, on the main process, the progress report: asked
+    for (`progress=True`: a bar in a terminal, lines elsewhere), or by
+    default a bar when the console is a terminal (not a notebook, not
+    `stdout=False`). The bar shows a stop request in its line."""
     signals = options.preemption_signals
     guard = PreemptionGuard(DEFAULT_SIGNALS if signals is None else signals)
     report = None
-    if options.progress and is_main_process():
-        report = ProgressReport(console(), guard.notice)
+    shown = options.progress
+    if shown is None:
+        shown = stdout and console().is_terminal and not console().is_jupyter
+    if shown and is_main_process():
+        report = ProgressReport(console(), guard.short_notice)
         guard.quiet = report.live
     return guard, report
 

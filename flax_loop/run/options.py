@@ -41,7 +41,7 @@ class Options:
     """
 
     nonfinite: str = "raise"
-    progress: bool = False
+    progress: bool | None = None
     preemption_signals: Sequence[int] | None = None
     steps_per_dispatch: int = 1
     sharding: Sharding | None = None

@@ -131,6 +131,19 @@ class PreemptionGuard:
         )
         return f"stopping after this step ({what})"
 
+    def short_notice(self) -> str:
+        r"""`notice` short enough for a progress bar's line; `""` when none.
+
+        >>> guard = PreemptionGuard()
+        >>> guard._handle(signal.SIGINT, None), guard.short_notice()
+        (None, 'stopping (Ctrl-C: stop now)')
+        """
+        if not self.requested or self.signal is None:
+            return ""
+        if self.signal == signal.SIGINT:
+            return "stopping (Ctrl-C: stop now)"
+        return f"stopping: {signal.Signals(self.signal).name}"
+
     @property
     def name(self) -> str:
         r"""the signal that asked for the stop, as a user knows it (`Ctrl-C`)."""

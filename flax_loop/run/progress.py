@@ -1,31 +1,36 @@
-r"""Training progress: a rich bar in terminals and Jupyter, plain lines in logs.
+r"""Training progress: a rich bar in terminals, plain lines in logs.
 
 The bar counts dispatched steps, which the host knows without asking the
-devices, so it never waits for them; the loss and metrics it shows are the
-latest checkpoint's interval means. Only process 0 shows it.
+devices, so it never waits for them. Its loss is live: the loss of the
+newest dispatch the devices have finished (an array already computed, read
+at most 4 times a second; never one still running). Plain lines show the
+latest checkpoint's interval means. Only process 0 shows either.
 """
 
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
     ProgressColumn,
     Task,
     TaskID,
     TextColumn,
-    TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 from rich.text import Text
 
 BAR_REFRESH_SECONDS = 0.25
 LINE_REFRESH_SECONDS = 30.0
+RECENT = 16
+r"""The newest dispatches' losses the bar keeps, to find a finished one."""
 
 
 class ProgressReport:
@@ -39,7 +44,7 @@ class ProgressReport:
     >>> report.checkpoint(100, loss=0.12, metrics={"accuracy": 0.9})  # at every checkpoint
     >>> report.stop()
     >>> lines.file.getvalue().split(" · ")[0], lines.file.getvalue().split(" · ")[-1]
-    ('step 100/1000', 'loss 0.12 accuracy 0.9\n')
+    ('step 100/1,000', 'loss 0.12 accuracy 0.9\n')
     """
 
     def __init__(self, console: Console, notice: Callable[[], str] | None = None) -> None:
@@ -54,6 +59,8 @@ class ProgressReport:
         self._started_at = 0.0
         self._started_step = 0
         self._next_refresh = 0.0
+        self._recent: deque[tuple[int, Any]] = deque(maxlen=RECENT)
+        self._live_loss: tuple[int, float] | None = None
 
     @property
     def live(self) -> bool:
@@ -72,21 +79,21 @@ class ProgressReport:
         self._started_step = step
         self._next_refresh = self._started_at + self._interval()
         if self._live:
+            self._recent.clear()
             self._bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]}"),
-                TimeElapsedColumn(),
+                _Steps(),
+                BarColumn(bar_width=8),
+                _text("{task.fields[loss]}"),
+                _text("{task.fields[rate]}"),
+                _Elapsed(self._notice),
                 _Remaining(self._notice),
-                TextColumn("{task.fields[loss]}"),
                 _Notice(self._notice),
                 console=self._console,
                 refresh_per_second=4,
             )
             self._bar.start()
             self._task = self._bar.add_task(
-                "train", total=self._total, completed=step, rate="", loss=self._loss_text()
+                "train", total=self._total, completed=step, rate="", loss="", elapsed=""
             )
 
     def _interval(self) -> float:
@@ -102,8 +109,11 @@ class ProgressReport:
         elapsed = now - self._started_at
         return (step - self._started_step) / elapsed if elapsed > 0 else 0.0
 
-    def advance(self, step: int) -> None:
-        r"""Notes that `step` was dispatched; refreshes at most every interval."""
+    def advance(self, step: int, loss: Any = None) -> None:
+        r"""Notes that the dispatch up to `step` was made (`loss`: its loss,
+        an array the devices compute); refreshes at most every interval."""
+        if loss is not None and self._live:
+            self._recent.append((step, loss))
         now = time.perf_counter()
         if now >= self._next_refresh:
             self._next_refresh = now + self._interval()
@@ -115,16 +125,33 @@ class ProgressReport:
         self._loss, self._metrics = loss, dict(metrics or {})
         self._show(step, time.perf_counter(), line=True)
 
+    def _finished_loss(self) -> tuple[int, float] | None:
+        r"""The step and loss of the newest dispatch the devices have finished
+        (the last one read when none has finished since); never waits."""
+        for step, loss in reversed(self._recent):
+            if _ready(loss):
+                self._live_loss = (step, _last_value(loss))
+                while self._recent and self._recent[0][0] <= step:  # read: not needed
+                    self._recent.popleft()
+                break
+        return self._live_loss
+
     def _show(self, step: int, now: float, line: bool = False) -> None:
         rate = self._rate(step, now)
         if self._bar is not None and self._task is not None:
+            live = self._finished_loss()
+            loss = f"loss {live[1]:.4g}" if live is not None else ""
             self._bar.update(
-                self._task, completed=step, rate=f"{rate:,.1f} steps/s", loss=self._loss_text()
+                self._task,
+                completed=step,
+                rate=f"{rate:,.0f} steps/s" if rate >= 100 else f"{rate:.3g} steps/s",
+                loss=loss,
+                elapsed=f"elapsed {timedelta(seconds=round(now - self._started_at))}",
             )
             return
         if self._live:
             return
-        parts = [f"step {step}" + (f"/{self._total}" if self._total else "")]
+        parts = [f"step {step:,}" + (f"/{self._total:,}" if self._total else "")]
         parts.append(f"{rate:,.1f} steps/s")
         parts.append(f"{timedelta(seconds=round(now - self._started_at))} elapsed")
         if self._total and rate > 0:
@@ -153,12 +180,52 @@ class ProgressReport:
         self._bar, self._task, self._started_at = None, None, 0.0
 
 
+def _text(template: str) -> TextColumn:
+    return TextColumn(template, table_column=Column(no_wrap=True))
+
+
+def _ready(array: Any) -> bool:
+    ready = getattr(array, "is_ready", None)
+    return ready() if ready is not None else True
+
+
+def _last_value(array: Any) -> float:
+    r"""The last element of a finished loss array (one step's scalar, or the
+    steps of one dispatch), as a float: a copy of a computed value."""
+    if not getattr(array, "is_fully_addressable", True):  # several processes
+        array = array.addressable_data(0)
+    return float(np.asarray(array).reshape(-1)[-1])
+
+
+class _Steps(ProgressColumn):
+    r"""`2,000/10,000`: the steps dispatched of the total, thousands grouped."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+
+    def render(self, task: Task) -> Text:
+        done = int(task.completed)
+        total = f"/{int(task.total):,}" if task.total is not None else ""
+        return Text(f"{done:,}{total}")
+
+
+class _Elapsed(ProgressColumn):
+    r"""`elapsed 0:01:02`, blank once a stop was requested (room for the notice)."""
+
+    def __init__(self, notice: Callable[[], str]) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+        self._notice = notice
+
+    def render(self, task: Task) -> Text:
+        return Text("" if self._notice() else task.fields.get("elapsed", ""))
+
+
 class _Notice(ProgressColumn):
     r"""The stop request, shown in the bar's line as soon as it is made
     (the bar redraws on its own thread)."""
 
     def __init__(self, notice: Callable[[], str]) -> None:
-        super().__init__()
+        super().__init__(table_column=Column(no_wrap=True))
         self._notice = notice
 
     def render(self, task: Task) -> Text:
@@ -170,13 +237,14 @@ class _Remaining(TimeRemainingColumn):
     reach its total)."""
 
     def __init__(self, notice: Callable[[], str]) -> None:
-        super().__init__()
+        super().__init__(table_column=Column(no_wrap=True))
         self._notice = notice
 
     def render(self, task: Task) -> Text:
-        if self._notice():
+        if self._notice() or task.total is None:
             return Text("")
-        return super().render(task)
+        remaining = super().render(task)
+        return Text(f"ETA {remaining.plain}", style=remaining.style)
 
 
 def _plain(rendered: Any) -> str:

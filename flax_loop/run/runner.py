@@ -151,10 +151,14 @@ class Runner:
         finally:
             self.feed.pause()  # no thread reads on after a call (nor is waited for)
             self.guard.uninstall()
+            self.guard.clear()  # a request ends the call it was made in
             if self.profile is not None:
                 self.profile.finish(self.stdout)  # never leave a trace running
-            if self.report is not None:
-                self.report.stop()
+            self._stop_report()
+
+    def _stop_report(self) -> None:
+        if self.report is not None:
+            self.report.stop()
 
     def run(self, target: int | None) -> Iterator[Checkpoint]:
         r"""Yields the checkpoints up to step `target` (`None`: up to
@@ -180,11 +184,13 @@ class Runner:
                     return
                 yield checkpoint
                 if checkpoint.preempted:
+                    self._stop_report()  # the bar's last line before the closing one
                     message = STOPPED.format(step=self.step, why=self.stopped_by)
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
                     return
             trained = self.step - self.first_step
             if target is None and self.step >= self.n_steps and trained:  # the closing line
+                self._stop_report()
                 log(
                     done_line(trained, self.step, self.times.totals()),
                     self.stdout,
@@ -273,7 +279,7 @@ class Runner:
                 note_loss(loss)
             queue.push(loss)
             if report is not None:
-                report.advance(step)
+                report.advance(step, loss)
             mark = perf_counter()
             device += mark - taken
             if last:
@@ -291,8 +297,9 @@ class Runner:
         # the checkpoint's copy and statistics: waiting for the devices
         _account(self, checkpoint, (started, mark), data, device, compiled_before)
         if preempted:
+            # the request stays until the call ends: a second Ctrl-C in the
+            # body of this last checkpoint is a second press, not a new first
             self.stopped_by = guard.name or "another process was asked to stop"
-            guard.clear()
         if report is not None:
             metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}
             loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss
