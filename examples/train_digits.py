@@ -79,10 +79,24 @@ class Batches:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", default="runs/digits")
-    parser.add_argument("--n-steps", type=int, default=1000)
-    parser.add_argument("--n-steps-per-checkpoint", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--output-dir",
+        default="runs/digits",
+        help="where checkpoints (OUTPUT_DIR/checkpoints) and TensorBoard events go; "
+        "run again with the same directory to resume (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--n-steps", type=int, default=1000, help="the total steps to train (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--n-steps-per-checkpoint",
+        type=int,
+        default=100,
+        help="steps between evaluations and checkpoint files (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="examples a step (default: %(default)s)"
+    )
     args = parser.parse_args()
 
     x, y = load_digits(return_X_y=True)
@@ -131,9 +145,10 @@ def main() -> None:
     for checkpoint in loop:
         summary = process(checkpoint)
     if summary is None:
-        print(f"Already trained to step {loop.step}; checkpoints in {checkpoints}.")
+        print(f"Already trained to step {loop.step:,}; checkpoints in {checkpoints}.")
         return
-    print(f"Final test accuracy at step {summary.step}: {summary.metrics['eval']['accuracy']:.4f}")
+    accuracy_now = summary.metrics["eval"]["accuracy"]
+    print(f"Final test accuracy at step {summary.step:,}: {accuracy_now:.4f}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
         for name in (
             "getting_started", "iterator", "models", "data", "checkpoints", "logging", "recipes",
             "beyond_supervised", "own_step", "devices", "interruptions", "speed", "time_and_memory",
-            "migrating",
+            "behaviour", "migrating",
         )
     )  # fmt: skip
     # Notebook pages show their stored outputs (the training table, the plot).

@@ -223,7 +223,7 @@ def _start(
     if start.path is not None:
         key = run_key(start, key, stdout)
         feed.restore(start.data_state, stdout)
-        log(f"Resumed from step {start.step} ({start.path}).", stdout=stdout)
+        log(f"Resumed from step {start.step:,} ({start.path}).", stdout=stdout)
     step = distributed.agree("the step to resume from", start.step)
     step_key: Any = placement.replicate(run_once(train_key, None, key, key="train key"))
     frozen = objective.frozen_arrays()

@@ -141,7 +141,7 @@ class Runner:
             self.guard.clear()  # the interrupt ends this call; the next one trains on
             if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state)):
                 self.lost = (
-                    f"An interrupt at step {self.step} came while the loop's state was "
+                    f"An interrupt at step {self.step:,} came while the loop's state was "
                     "handed from one step to the next, and that state is gone: this "
                     "loop cannot go on. Make a new TrainLoop that resumes from the last "
                     "checkpoint written (init=CheckpointFileReader(dir=...))."
@@ -167,8 +167,8 @@ class Runner:
             stop = self.n_steps if target is None else target
             if self.step >= stop:
                 log(
-                    f"Nothing to train: the loop is at step {self.step} and trains to "
-                    f"step {stop} (n_steps is the total, counted from step 0).",
+                    f"Nothing to train: the loop is at step {self.step:,} and trains to "
+                    f"step {stop:,} (n_steps is the total, counted from step 0).",
                     stdout=self.stdout,
                 )
             while self.step < (self.n_steps if target is None else target):
@@ -176,7 +176,7 @@ class Runner:
                 checkpoint = self.interval(self.boundary(stop), total=stop)
                 if checkpoint is None:
                     log(
-                        f"The data stream ended at step {self.step} of {stop}: training "
+                        f"The data stream ended at step {self.step:,} of {stop:,}: training "
                         "stops there. Give task.data a re-iterable source (a list, a "
                         "DataLoader, a grain dataset) to read it epoch after epoch.",
                         stdout=self.stdout,
@@ -205,7 +205,7 @@ class Runner:
             checkpoint = self.interval(boundary, total=boundary)
         if checkpoint is None:
             raise DataExhaustedError(
-                f"The data stream has no batch left after step {self.step}; "
+                f"The data stream has no batch left after step {self.step:,}; "
                 "give the task a longer or re-iterable source."
             )
         return checkpoint
