@@ -1,6 +1,7 @@
 """The checkpoint inspector: `flax-loop ls`, `verify`, `show` on good and bad directories."""
 
 import io
+import re
 import os
 import shutil
 import subprocess
@@ -62,6 +63,17 @@ def test_ls_prints_a_long_directory_whole_on_its_own_line(tmp_path, checkpoints)
     status = main(["ls", str(directory)], console=Console(file=output, width=100))
     assert status == 0 and len(str(directory)) > 100
     assert output.getvalue().splitlines()[0] == str(directory)
+
+
+def test_ls_fits_80_columns_with_each_file_name_whole(files):
+    output = io.StringIO()
+    main(["ls", str(files)], console=Console(file=output, width=80))
+    lines = output.getvalue().splitlines()
+    table = [line for line in lines if re.match(r"\s*(step|[\d,]+)\s", line)]  # its rows
+    assert len(table) == 6  # the header and five checkpoints
+    assert all(len(line.rstrip()) <= 80 for line in table), table
+    for name in ("regular.2.ckpt", "regular.8.ckpt", "highest.eval.accuracy.6.ckpt"):
+        assert any(name in line for line in table), (name, table)
 
 
 def test_ls_lists_steps_files_status_and_the_file_each_resume_reads(files):

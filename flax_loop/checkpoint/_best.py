@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from flax_loop.checkpoint._checkpoint import Summary, expect
+from flax_loop.checkpoint._names import one_directory
 from flax_loop.checkpoint._reader import CheckpointFileReader
 from flax_loop.checkpoint._writer import CheckpointFileWriter
 from flax_loop.checkpoint.format import quote
@@ -128,14 +129,17 @@ class _BestCheckpointFileWriter(KeepsBest, CheckpointFileWriter):  # type: ignor
         *,
         background: bool = False,
         save_frozen: bool = True,
+        dir: str | None = None,
     ) -> None:
+        output_dir = one_directory(type(self).__name__, output_dir, dir, "output_dir", "dir")
         check_best_arguments(type(self).__name__, metric, group, output_dir)
         super().__init__(
-            output_dir=output_dir,  # type: ignore[arg-type]
+            output_dir=output_dir,
             keep=keep,
             overwrite=overwrite,
             background=background,
             save_frozen=save_frozen,
+            stdout=stdout,
         )
         self.metric, self.group = metric, group
         stored = self._reader_type(
@@ -188,11 +192,19 @@ class HighestCheckpointFileWriter(_BestCheckpointFileWriter):
 
 @dataclass
 class _BestCheckpointFileReader(CheckpointFileReader):
-    metric: str
+    metric: str = None  # type: ignore[assignment]
     r"""a metric label."""
 
     group: str = "eval"
     r"""a group label."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, value in (("metric", self.metric), ("group", self.group)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(
+                    f"{type(self).__name__}'s {name} must be a non-empty string; got {value!r}."
+                )
 
 
 @dataclass

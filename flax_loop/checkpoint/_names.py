@@ -70,3 +70,24 @@ def array_names(tree: Any) -> dict[int, str]:
 
     walk(tree, "")
     return names
+
+
+def one_directory(owner: str, given: Any, alias: Any, name: str, alias_name: str) -> Any:
+    r"""The directory a reader or writer was given as `name` or as its alias
+    (readers take `dir=`, writers `output_dir=`: flax-extra's programs use
+    both spellings).
+
+    Raises:
+        ConfigError: if neither is given, or both and they differ.
+    """
+    from flax_loop.errors import ConfigError
+
+    if given is not None and alias is not None and given != alias:
+        raise ConfigError(
+            f"{owner} was given {name}={given!r} and {alias_name}={alias!r}: give the "
+            f"directory once ({name}=...)."
+        )
+    chosen = given if given is not None else alias
+    if chosen is None:
+        raise ConfigError(f"{owner} needs {name}, the directory of its checkpoints.")
+    return chosen

@@ -40,6 +40,7 @@ from typing import Any
 
 from flax_loop.checkpoint._best import KeepsBest, check_best_arguments
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
+from flax_loop.checkpoint._names import one_directory
 from flax_loop.checkpoint._orbax_reader import OrbaxCheckpointReader
 from flax_loop.checkpoint._orbax_store import (
     META_ITEM,
@@ -75,7 +76,7 @@ class OrbaxCheckpointWriter:
     cannot write one directory.
     """
 
-    output_dir: str
+    output_dir: str = None  # type: ignore[assignment]
     r"""a directory path for the checkpoints (one folder per step)."""
 
     keep: int = 1
@@ -94,8 +95,19 @@ class OrbaxCheckpointWriter:
     checkpoints hold every parameter (`True`); `CheckpointFileWriter(
     save_frozen=False)` writes files without them."""
 
+    stdout: bool = field(default=True, kw_only=True)
+    r"""whether to say when the writer removes steps an earlier run left
+    (`overwrite=True`)."""
+
+    dir: str | None = field(default=None, kw_only=True, repr=False)
+    r"""`output_dir` as the readers spell it (either one is taken)."""
+
     def __post_init__(self) -> None:
-        self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
+        output_dir = one_directory(
+            type(self).__name__, self.output_dir, self.dir, "output_dir", "dir"
+        )
+        self.output_dir = check_writer_options(output_dir, self.keep, self.overwrite)
+        self.dir = self.output_dir
         if self.save_frozen is not True:
             raise ConfigError(
                 f"{type(self).__name__}(save_frozen={self.save_frozen!r}): Orbax checkpoints "
@@ -186,9 +198,16 @@ class OrbaxCheckpointWriter:
                 "from it (init=OrbaxCheckpointReader(dir=...)), write to another "
                 "output_dir, or pass overwrite=True to replace it."
             )
-        for old in existing:
-            if old >= step:
-                manager.delete(old)
+        removed = [old for old in existing if old >= step]
+        if removed and self.overwrite is True and is_main_process():
+            log(
+                f"removing the steps {removed} an earlier run left in {self.output_dir} "
+                "(overwrite=True).",
+                self.stdout,
+                lead=f"{type(self).__name__}:",
+            )
+        for old in removed:
+            manager.delete(old)
 
     def wait(self) -> None:
         r"""Waits for a background write in progress.
@@ -282,14 +301,17 @@ class _BestOrbaxCheckpointWriter(KeepsBest, OrbaxCheckpointWriter):  # type: ign
         *,
         background: bool = True,
         save_frozen: bool = True,
+        dir: str | None = None,
     ) -> None:
+        output_dir = one_directory(type(self).__name__, output_dir, dir, "output_dir", "dir")
         check_best_arguments(type(self).__name__, metric, group, output_dir)
         super().__init__(
-            output_dir=output_dir,  # type: ignore[arg-type]
+            output_dir=output_dir,
             keep=keep,
             overwrite=overwrite,
             background=background,
             save_frozen=save_frozen,
+            stdout=stdout,
         )
         self.metric, self.group = metric, group
         steps = OrbaxCheckpointReader(dir=self.output_dir, target=None).steps()

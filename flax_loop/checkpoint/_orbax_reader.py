@@ -14,10 +14,11 @@ layout (any device count, any sharding); a directory of parameters only
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flax_loop.checkpoint._checkpoint import CheckpointFile
+from flax_loop.checkpoint._names import one_directory
 from flax_loop.checkpoint._orbax_store import (
     FORMAT_VERSION,
     META_ITEM,
@@ -52,11 +53,20 @@ class OrbaxCheckpointReader:
     those parameters.
     """
 
-    dir: str
+    dir: str = None  # type: ignore[assignment]
     r"""a directory written by `OrbaxCheckpointWriter` (or holding parameters only)."""
 
-    target: Any
+    target: Any = None
     r"""the init function of the model the checkpoint belongs to."""
+
+    output_dir: str | None = field(default=None, kw_only=True, repr=False)
+    r"""`dir` as the writers spell it (either one is taken)."""
+
+    def __post_init__(self) -> None:
+        self.dir = one_directory(
+            type(self).__name__, self.dir, self.output_dir, "dir", "output_dir"
+        )
+        self.output_dir = self.dir
 
     def __call__(self, initializer: CheckpointFile) -> CheckpointFile:
         r"""The newest step restored into `initializer`'s structure, or

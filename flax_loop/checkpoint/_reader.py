@@ -1,6 +1,6 @@
 r"""Reading the newest intact checkpoint file of a directory."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -8,7 +8,7 @@ from flax import serialization
 
 from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved
 from flax_loop.checkpoint._frozen import flatten, inserted
-from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut
+from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut, one_directory
 from flax_loop.checkpoint.format import list_steps, restore_key
 from flax_loop.checkpoint.parse import read
 from flax_loop.errors import (
@@ -52,12 +52,21 @@ class CheckpointFileReader:
     never silently resumes from an older file.
     """
 
-    dir: str
+    dir: str = None  # type: ignore[assignment]
     r"""a directory path for checkpoint files."""
 
-    target: Any
+    target: Any = None
     r"""the init function of the model the checkpoint belongs to; a loop uses it
     to initialize the model when the directory holds no checkpoint."""
+
+    output_dir: str | None = field(default=None, kw_only=True, repr=False)
+    r"""`dir` as the writers spell it (either one is taken)."""
+
+    def __post_init__(self) -> None:
+        self.dir = one_directory(
+            type(self).__name__, self.dir, self.output_dir, "dir", "output_dir"
+        )
+        self.output_dir = self.dir
 
     def __call__(self, initializer: CheckpointFile) -> CheckpointFile:
         r"""The newest file restored into `initializer`'s structure, or

@@ -14,7 +14,7 @@ from typing import Any
 from flax_loop.checkpoint import format
 from flax_loop.checkpoint._checkpoint import Checkpoint, CheckpointFile, Summary, expect
 from flax_loop.checkpoint._frozen import leave_out
-from flax_loop.checkpoint._names import REGULAR_PREFIX
+from flax_loop.checkpoint._names import REGULAR_PREFIX, one_directory
 from flax_loop.checkpoint.lock import DirectoryLock
 from flax_loop.errors import CheckpointError, ConfigError, check_count
 from flax_loop.log import is_main_process, log
@@ -64,7 +64,7 @@ class CheckpointFileWriter:
     one fails then, the process exits with status 75, never 0.
     """
 
-    output_dir: str
+    output_dir: str = None  # type: ignore[assignment]
     r"""a directory path for checkpoint files."""
 
     keep: int = 1
@@ -86,8 +86,19 @@ class CheckpointFileWriter:
     from such a file takes them from its `init` and checks them against a
     digest the file keeps, raising `CheckpointMismatchError` if they differ."""
 
+    stdout: bool = field(default=True, kw_only=True)
+    r"""whether to say when the writer removes files an earlier run left
+    (`overwrite=True`)."""
+
+    dir: str | None = field(default=None, kw_only=True, repr=False)
+    r"""`output_dir` as the readers spell it (either one is taken)."""
+
     def __post_init__(self) -> None:
-        self.output_dir = check_writer_options(self.output_dir, self.keep, self.overwrite)
+        output_dir = one_directory(
+            type(self).__name__, self.output_dir, self.dir, "output_dir", "dir"
+        )
+        self.output_dir = check_writer_options(output_dir, self.keep, self.overwrite)
+        self.dir = self.output_dir
         self._locks: dict[str, DirectoryLock] = {}
         self._mutex = threading.Lock()
         self._pending: Future[str] | None = None
@@ -154,6 +165,13 @@ class CheckpointFileWriter:
         in_the_way = [
             (s, path) for s, path in existing if s > step or (s == step and self.overwrite is False)
         ]
+        if in_the_way and self.overwrite is True and is_main_process():
+            log(
+                f"removing {len(in_the_way)} file(s) of steps {sorted(s for s, _ in in_the_way)} "
+                f"an earlier run left in {self.output_dir} (overwrite=True).",
+                self.stdout,
+                lead=f"{type(self).__name__}:",
+            )
         if in_the_way and self.overwrite is not True:
             later_step, later = in_the_way[0]
             raise CheckpointError(

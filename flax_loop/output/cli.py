@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
 
 
 def _time(entry: CheckpointEntry) -> str:
-    return datetime.datetime.fromtimestamp(entry.modified).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(entry.modified).strftime("%Y-%m-%d %H:%M")
 
 
 _READERS = {
@@ -140,19 +140,23 @@ def _ls(directory: str, console: Console) -> int:
     # The directory goes on its own line: a table's title wraps at the
     # table's width, which would split a long path where a user copies it.
     console.print(Text(directory), soft_wrap=True)
-    table = Table()
+    # no borders: a directory of long names fits 80 columns without wrapping one
+    table = Table(box=None, pad_edge=False, header_style="bold")
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("file", overflow="fold")  # a long name wraps, never loses its end
-    for column in ("size", "written", "status", ""):
+    for column in ("size", "written", ""):
         table.add_column(column, justify="right" if column == "size" else "left", no_wrap=True)
     for entry in entries:
+        # the last column: the file a resume reads, or what is wrong with one
+        note = (
+            "<- resumes" if entry.resume else ("" if entry.intact else f"[red]{entry.status}[/red]")
+        )
         table.add_row(
-            str(entry.step),
+            f"{entry.step:,}",
             Text(entry.name + (" (Orbax step)" if entry.kind == "orbax" else "")),
             format_bytes(entry.size),
             _time(entry),
-            "intact" if entry.intact else f"[red]{entry.status}[/red]",
-            "<- resumes" if entry.resume else "",
+            note,
         )
     console.print(table)
     for entry in entries:

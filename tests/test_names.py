@@ -1,0 +1,87 @@
+"""One spelling of a directory for readers and writers (the other an alias,
+as flax-extra's programs use both), and `stdout` on every writer."""
+
+import os
+
+import jax
+import optax
+import pytest
+
+from flax_loop import (
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    HighestCheckpointFileReader,
+    HighestCheckpointFileWriter,
+    OrbaxCheckpointReader,
+    OrbaxCheckpointWriter,
+    TrainLoop,
+    TrainTask,
+    set_console,
+)
+from flax_loop.errors import ConfigError
+from tests.helpers import MLP, batches, cross_entropy, digits_split
+
+X, Y, _, _ = digits_split()
+
+
+def test_readers_and_writers_take_either_spelling_of_the_directory(tmp_path):
+    where = str(tmp_path)
+    for writer in (
+        CheckpointFileWriter(dir=where),
+        CheckpointFileWriter(output_dir=where),
+        OrbaxCheckpointWriter(dir=where),
+        HighestCheckpointFileWriter(metric="accuracy", dir=where, stdout=False),
+    ):
+        assert writer.output_dir == writer.dir == where
+    for reader in (
+        CheckpointFileReader(dir=where, target=None),
+        CheckpointFileReader(output_dir=where, target=None),
+        CheckpointFileReader(where, None),  # flax-extra's positional order
+        OrbaxCheckpointReader(output_dir=where, target=None),
+        HighestCheckpointFileReader(output_dir=where, metric="accuracy"),
+    ):
+        assert reader.dir == reader.output_dir == where
+    with pytest.raises(ConfigError, match=r"output_dir='a' and dir='b': give the directory once"):
+        CheckpointFileWriter(output_dir="a", dir="b")
+    with pytest.raises(ConfigError, match="CheckpointFileReader needs dir"):
+        CheckpointFileReader(target=None)
+    with pytest.raises(ConfigError, match="metric must be a non-empty string"):
+        HighestCheckpointFileReader(dir=where)
+
+
+def test_a_writer_says_what_it_removes_unless_stdout_is_off(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    model = MLP(features=(8,))
+
+    def checkpoints(n_steps):
+        return list(
+            TrainLoop(
+                init=model.init,
+                task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X, Y, 32)),
+                rnkey=jax.random.key(0),
+                n_steps=n_steps,
+                n_steps_per_checkpoint=2,
+                devices=jax.devices()[:1],
+                stdout=False,
+            )
+        )
+
+    longer, shorter = checkpoints(4), checkpoints(2)
+    for stdout in (True, False):
+        directory = str(tmp_path / str(stdout))
+        with CheckpointFileWriter(output_dir=directory, keep=3) as write:
+            for checkpoint in longer:
+                write(checkpoint)
+        out = io.StringIO()
+        set_console(Console(file=out, width=200))
+        try:  # a shorter run written over the longer one's files
+            with CheckpointFileWriter(dir=directory, overwrite=True, stdout=stdout) as write:
+                write(shorter[-1])
+        finally:
+            set_console(None)
+        said = "removing 1 file(s) of steps [4] an earlier run left" in out.getvalue()
+        assert said is stdout, out.getvalue()
+        assert sorted(n for n in os.listdir(directory) if n.endswith(".ckpt")) == ["regular.2.ckpt"]
