@@ -1,8 +1,8 @@
 """The checkpoint inspector: `flax-loop ls`, `verify`, `show` on good and bad directories."""
 
 import io
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
