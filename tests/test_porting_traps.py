@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from flax_loop import TrainLoop, TrainTask
-from flax_loop.errors import ConfigError
+from flax_loop.errors import ConfigError, LossError
 from tests.helpers import MLP, cross_entropy
 
 
@@ -320,6 +320,39 @@ def test_newcomer_mistakes_are_named_with_their_fix():
             jax.random.key(0),
             n_steps=1,
             input_sample=np.ones((1, 64), np.float32),
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+
+def test_an_nnx_module_defaulting_to_evaluation_and_float_labels_are_named():
+    from flax import nnx
+
+    class Net(nnx.Module):  # the NNX tutorials' flag, with the default that evaluates
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(64, 10, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x, train: bool = False):
+            return self.drop(self.linear(x), deterministic=not train)
+
+    data = [(np.ones((8, 64), np.float32), np.arange(8) % 10)] * 2
+    net = Net(nnx.Rngs(0))
+    with pytest.raises(
+        ConfigError, match=r"Net.__call__ defaults to evaluation mode \(train=False\)"
+    ):
+        TrainLoop(net, TrainTask(net, optax.sgd(0.1), cross_entropy, data), jax.random.key(0))
+
+    model = MLP(features=(8,))
+    floats = [(x, y.astype(np.float32)) for x, y in data]
+    with pytest.raises(
+        LossError, match=r"integer class labels.*targets are \(8,\) float32.*astype"
+    ):
+        TrainLoop(
+            model.init,
+            TrainTask(model.apply, optax.sgd(0.1), cross_entropy, floats),
+            jax.random.key(0),
+            n_steps=1,
             devices=jax.devices()[:1],
             stdout=False,
         )

@@ -251,7 +251,7 @@ def read_contents(path: str) -> CheckpointContents:
         except Exception as error:
             raise CheckpointCorruptError(
                 f"{path!r} cannot be read as an Orbax step: {type(error).__name__}: {error}."
-            ) from error
+            ) from None
         arrays = [
             (key, shape, dtype, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
             for key, (shape, dtype) in shapes.items()

@@ -161,7 +161,7 @@ class OrbaxCheckpointWriter:
             raise CheckpointError(
                 f"Orbax failed to write step {step} to {self.output_dir!r}: "
                 f"{type(error).__name__}: {error}. The steps already there are intact."
-            ) from error
+            ) from None
         return checkpoint
 
     def _open(self) -> Any:

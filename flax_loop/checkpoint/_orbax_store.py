@@ -110,7 +110,7 @@ def decode_meta(stored: Any, where: str) -> dict[str, Any]:
     except Exception as error:
         raise CheckpointCorruptError(
             f"{where} is damaged: its flax_loop metadata cannot be read ({error})."
-        ) from error
+        ) from None
 
 
 def read_orbax_step(
@@ -258,4 +258,4 @@ def orbax_call(doing: str, directory: str, function: Any, *args: Any) -> Any:
         raise CheckpointError(
             f"Orbax failed to {doing} {directory!r}: {type(error).__name__}: {error}. "
             "The steps already finished there are intact."
-        ) from error
+        ) from None

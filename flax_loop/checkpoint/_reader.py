@@ -108,7 +108,7 @@ class CheckpointFileReader:
                     f"{path} cannot be read: {error}. It was not skipped, so that "
                     "training does not silently resume from an older file: fix the "
                     "file's permissions or disk, or move it away."
-                ) from error
+                ) from None
             return CheckpointFile(
                 **{name: tree.get(name) for name in Saved.CORE},
                 carried={name: arrays for name, arrays in tree.items() if name not in Saved.CORE},
@@ -248,7 +248,7 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
         except (ValueError, TypeError, KeyError) as error:
             raise CheckpointMismatchError(
                 f"{path} does not fit this model's {part}: {error}."
-            ) from error
+            ) from None
 
     return file.with_arrays({name: restored(name) for name in parts})
 

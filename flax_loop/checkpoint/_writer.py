@@ -220,7 +220,7 @@ class CheckpointFileWriter:
             raise CheckpointError(
                 f"Writing the checkpoint of step {file.step} to {self.output_dir!r} "
                 f"failed: {error}. The files already there are intact."
-            ) from error
+            ) from None
         self._prune(prefix, written, int(file.step))
         return written
 

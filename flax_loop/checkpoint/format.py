@@ -295,7 +295,7 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
                     f"Cannot encode the checkpoint for {final}: {error}. The data "
                     "iterator's state and metrics must be plain numbers, strings, "
                     "bytes, lists and dicts."
-                ) from error
+                ) from None
             stream.flush()
             if fsync:
                 os.fsync(stream.fileno())
@@ -335,7 +335,7 @@ def restore_key(meta: dict[str, Any], path: str) -> "jax.Array | None":
     except (ValueError, TypeError, KeyError) as error:
         raise CheckpointCorruptError(
             f"{path} is damaged: its key cannot be rebuilt ({error})."
-        ) from error
+        ) from None
 
 
 def clean_temporary(directory: str, prefix: str) -> None:
@@ -366,7 +366,7 @@ def ensure_directory(directory: str) -> None:
     except OSError as error:
         raise CheckpointError(
             f"Cannot create the checkpoint directory {directory!r}: {error}."
-        ) from error
+        ) from None
     if not os.access(directory, os.W_OK | os.X_OK):
         raise CheckpointError(
             f"The checkpoint directory {directory!r} is not writable; fix its "

@@ -104,7 +104,7 @@ def _open_lock_file(path: str) -> IO[str]:
                 f"The lock file {path!r} is a symbolic link: flax_loop never writes "
                 "through one. Remove it (the directory's writer creates its own)."
             ) from error
-        raise CheckpointError(f"Cannot create the lock file {path!r}: {error}.") from error
+        raise CheckpointError(f"Cannot create the lock file {path!r}: {error}.") from None
     status = os.fstat(descriptor)
     if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
         os.close(descriptor)

@@ -199,7 +199,7 @@ def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:
     except (ValueError, msgpack.UnpackException, RecursionError) as error:
         raise CheckpointCorruptError(
             f"{path} is damaged: its metadata cannot be decoded ({error})"
-        ) from error
+        ) from None
     if not isinstance(footer, dict):
         raise CheckpointCorruptError(f"{path} is damaged: metadata is not a map.")
     return footer

@@ -49,7 +49,7 @@ def _as_leaf(value: Any, where: str) -> Leaf:
         raise BatchError(
             f"{where} of type {type(value).__name__} cannot be converted to an "
             f"array (ragged or mixed values?): {str(error).rstrip('.')}."
-        ) from error
+        ) from None
     if array.dtype == object:
         raise BatchError(
             f"{where} ({_preview(value)}) converts to an object array; "

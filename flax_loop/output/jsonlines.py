@@ -94,7 +94,7 @@ class JsonLinesWriter:
             raise CheckpointError(
                 f"Cannot append step {record['step']}'s line to {self.path!r}: {error}. "
                 "The lines already there are intact."
-            ) from error
+            ) from None
         return checkpoint
 
     def _open(self) -> int:
@@ -109,7 +109,7 @@ class JsonLinesWriter:
             except OSError as error:
                 raise CheckpointError(
                     f"Cannot open {self.path!r} for appending: {error}."
-                ) from error
+                ) from None
         return self._file
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ def _raise_if_refused(error: Exception, tracking_uri: str | None) -> None:
             "for it, which the mlflow-skinny client leaves out. Install MLflow whole "
             "(pip install mlflow) for a database store, or log to a tracking server "
             "(http://...)."
-        ) from error
+        ) from None
     if "filesystem tracking backend" in str(error):
         raise ConfigError(
             f"MLflowWriter cannot write to {where}: MLflow 3 writes to a local file "

@@ -335,6 +335,13 @@ def _compiled(
             "on a value, the step's number `step` included, with jnp.where(...) or "
             "jax.lax.cond(...), and a loop with jax.lax.fori_loop(...)."
         ) from None
+    except TypeError as error:
+        _refuse_float_labels(error, feed)
+        error.add_note(
+            "flax_loop: raised while tracing the training step (the model and "
+            f"the loss) on the first batch: {feed.spec.describe()}."
+        )
+        raise
     except Exception as error:
         if not isinstance(error, FlaxLoopError):
             error.add_note(
@@ -342,6 +349,20 @@ def _compiled(
                 f"the loss) on the first batch: {feed.spec.describe()}."
             )
         raise
+
+
+def _refuse_float_labels(error: TypeError, feed: BatchFeed) -> None:
+    r"""A `LossError` for the newcomer's float class labels: a loss that needs
+    integer labels (optax's `..._with_integer_labels`) given floating targets."""
+    spec = getattr(feed.spec, "targets", ())
+    floating = [f"{shape} {dtype}" for shape, dtype in spec if np.issubdtype(dtype, np.floating)]
+    if floating and "integer" in str(error):
+        raise LossError(
+            f"The loss needs integer class labels, and the batch's targets are "
+            f"{', '.join(floating)} ({type(error).__name__}: {str(error).splitlines()[0]}). "
+            "Give the labels as integers: y.astype(np.int32) where the batches are made "
+            "(or labels.astype(jnp.int32) in the loss)."
+        ) from None
 
 
 def _init_inputs(

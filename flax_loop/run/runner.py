@@ -14,6 +14,7 @@ into the loop.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -297,9 +298,13 @@ class Runner:
         # the checkpoint's copy and statistics: waiting for the devices
         _account(self, checkpoint, (started, mark), data, device, compiled_before)
         if preempted:
-            # the request stays until the call ends: a second Ctrl-C in the
-            # body of this last checkpoint is a second press, not a new first
             self.stopped_by = guard.name or "another process was asked to stop"
+            # A Ctrl-C request stays until the call ends: a second Ctrl-C in
+            # the body of this last checkpoint is a second press (at once).
+            # Another signal there is a new request, which the stop already
+            # honours: a second SIGTERM must not end the body writing the file.
+            if guard.signal != signal.SIGINT:
+                guard.clear()
         if report is not None:
             metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}
             loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss

@@ -128,7 +128,7 @@ def tokens_per_batch(tokens: TokenCount | None, batch: Any, first_input: Any) ->
             f"tokens(batch) raised {type(error).__name__}: {error}. It gets the first "
             "batch as the stream gave it and returns the tokens in it, e.g. "
             "tokens=lambda batch: batch[0].size."
-        ) from error
+        ) from None
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
         raise ConfigError(f"tokens(batch) must return a whole number of tokens; got {count!r}.")
     return int(count)

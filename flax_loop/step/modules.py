@@ -69,8 +69,47 @@ def _check_call_keywords(kind: type, parameters: Mapping[str, inspect.Parameter]
             "flax_loop calls an NNX module as module(*inputs) (with rngs= if it takes "
             "them), and sets its mode itself: module.train() while training, "
             "module.eval() in EvalLoop, which nnx.Dropout and nnx.BatchNorm follow. "
-            "Drop the keyword (read the mode from the layers), or give it a default."
+            "Drop the keyword (the layers follow the mode), or give it the default that "
+            "trains (train=True; a default of train=False keeps dropout off in training)."
         )
+
+
+_TRAINING_FLAGS = ("train", "training", "is_training")  # off: evaluation mode
+_EVALUATION_FLAGS = ("deterministic", "use_running_average", "inference", "eval")  # on
+
+
+def evaluation_defaults(module: nnx.Module) -> list[str]:
+    r"""The `__call__` arguments of a module holding `nnx.Dropout` or
+    `nnx.BatchNorm` whose defaults put it in evaluation mode (`train=False`,
+    `deterministic=True`, ...): called as `module(x)`, it trains with its
+    dropout off (or its batch statistics frozen) whatever `module.train()`
+    says.
+
+    >>> from flax import nnx
+    >>> class Net(nnx.Module):
+    ...     def __init__(self):
+    ...         self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    ...     def __call__(self, x, train: bool = False):
+    ...         return self.drop(x, deterministic=not train)
+    >>> evaluation_defaults(Net())
+    ['train=False']
+    """
+    from flax import nnx
+
+    layers = [
+        layer
+        for _, layer in nnx.iter_graph(module)
+        if isinstance(layer, (nnx.Dropout, nnx.BatchNorm))
+    ]
+    if not layers:
+        return []
+    parameters = inspect.signature(type(module).__call__).parameters
+    return [
+        f"{name}={parameter.default!r}"
+        for name, parameter in parameters.items()
+        if (name in _TRAINING_FLAGS and parameter.default is False)
+        or (name in _EVALUATION_FLAGS and parameter.default is True)
+    ]
 
 
 class NNXModel:

@@ -39,7 +39,7 @@ from flax.core.scope import CollectionFilter
 from flax_loop.data.batch import Batch, BatchTree
 from flax_loop.errors import ConfigError
 from flax_loop.step.model import LinenModel, as_outputs
-from flax_loop.step.modules import NNXModel, is_nnx
+from flax_loop.step.modules import NNXModel, evaluation_defaults, is_nnx
 from flax_loop.step.several import LinenModels, as_one, default_trainable, is_several
 from flax_loop.step.trainable import Partition, union
 
@@ -110,6 +110,8 @@ class Objective:
         r"""the structure of the stream's batches (not supervised), which the
         feed learns from the first batch."""
         self._nnx = NNXModel(apply, train=True) if is_nnx(apply) else None
+        if self._nnx is not None and supervised:
+            _refuse_evaluation_defaults(apply)
         self._apply = apply
         self._frozen_nnx = {
             name: NNXModel(value, train=False)
@@ -324,6 +326,21 @@ class Objective:
         if self.carries:
             keywords["carry"] = carry
         return part.compute_loss(bound.model, given, **keywords)
+
+
+def _refuse_evaluation_defaults(module: Any) -> None:
+    r"""A `ConfigError` for an NNX module that a supervised task's call,
+    `module(*inputs)`, would run in evaluation mode (`evaluation_defaults`)."""
+    flags = evaluation_defaults(module)
+    if flags:
+        raise ConfigError(
+            f"{type(module).__name__}.__call__ defaults to evaluation mode ({', '.join(flags)}) "
+            "and holds dropout or batch normalization: called as model(x) with a task's "
+            "loss, it would train with dropout off, silently. flax_loop sets the mode "
+            "itself (module.train() while training, module.eval() in EvalLoop), which "
+            "nnx.Dropout and nnx.BatchNorm follow: drop the argument and let the layers "
+            "follow the mode, or default it to training (train=True)."
+        )
 
 
 def lora_hint(objective: Objective) -> str | None:

@@ -189,7 +189,7 @@ def parameter_specs(
             raise ConfigError(
                 f"the sharding function raised {type(error).__name__} for {'/'.join(names)}: "
                 f"{error}"
-            ) from error
+            ) from None
         if spec is None:
             spec = PartitionSpec()
         _check_spec(spec, names, tuple(leaf.shape), placement.mesh, RULE)
