@@ -60,7 +60,7 @@ class TrainTask:
     """
 
     compute_loss: LossFn | Mapping[str, LossFn] | None = None
-    r"""instead of `loss`: `compute_loss(model, batch, *, rng, step)`
+    r"""instead of `loss`; `compute_loss(model, batch, *, rng, step)`
     returning a scalar loss or `(loss, {name: scalar})`.
 
     `model` is the model in training mode holding the step's variables: an
@@ -87,7 +87,7 @@ class TrainTask:
     training metric `<name>_loss`."""
 
     trainable: Any = None
-    r"""which parameters train (`None`: all): a filter `fn(path, leaf) ->
+    r"""which parameters train (all with `None`); a filter `fn(path, leaf) ->
     bool` (`path` the keys to the leaf, such as `("Dense_0", "kernel")`), a
     key name, a list of filters, or for an NNX module any NNX filter (a
     `Variable` type such as `nnx.LoRAParam`, `nnx.PathContains(...)`).
@@ -113,7 +113,7 @@ class TrainTask:
     name (`Checkpoint.carried`)."""
 
     tokens: Any = None
-    r"""`tokens(batch) -> int`: the tokens of a batch, for
+    r"""`tokens(batch) -> int`; the tokens of a batch, for
     `Checkpoint.throughput`'s `tokens_per_second` (called once, on the first
     batch as the stream gave it); by default an integer input of shape
     (batch, length) counts as token ids."""
@@ -145,7 +145,7 @@ class TrainTask:
     collections the model's calls change."""
 
     carry: Any = None
-    r"""arrays (a pytree) the step carries from step to step: a loss scale,
+    r"""arrays (a pytree) the step carries from step to step; a loss scale,
     a target network, an environment's state; or a function of the initial
     parameters returning them (`carry=lambda params: {"target": params}`,
     called when training starts afresh, never on resume). `update` reads

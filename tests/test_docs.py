@@ -193,7 +193,7 @@ def guides_with_programs():
 
 
 # Guides about several devices: run on the suite's four.
-SEVERAL_DEVICES = {"devices.md"}
+SEVERAL_DEVICES = {"devices.md", "whole_batch.md"}
 
 
 @pytest.mark.parametrize("guide", list(guides_with_programs()))

@@ -50,12 +50,13 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
         f"{name}.html"
         for name in (
             "getting_started", "iterator", "models", "data", "checkpoints", "logging", "recipes",
-            "beyond_supervised", "own_step", "devices", "interruptions", "speed", "time_and_memory",
-            "behaviour", "migrating",
+            "beyond_supervised", "own_step", "whole_batch", "devices", "interruptions", "speed", "time_and_memory",
+            "behaviour", "from_nnx_tutorial", "from_train_state", "migrating",
         )
     )  # fmt: skip
     # Notebook pages show their stored outputs (the training table, the plot).
     assert "<img" in (site / "notebooks" / "nnx.html").read_text()
+    assert "<img" in (site / "notebooks" / "quickstart.html").read_text()
     # A guide is not an empty shell.
     assert "OrbaxCheckpointWriter" in (site / "guides" / "checkpoints.html").read_text()
 
@@ -104,3 +105,20 @@ def test_references_to_jax_flax_and_optax_link_their_published_pages(site):
     for target in sorted(targets):
         assert target in uris, f"{target}: not in docs/_inventories (make_inventories.py)"
         assert f'href="{uris[target]}"' in html, f"{target}: no link to {uris[target]}"
+
+
+def test_every_type_field_of_the_api_page_is_a_type(site):
+    # napoleon takes an attribute docstring's first line "words: text" as a
+    # type; the API page shows prose there unless the docstrings avoid it
+    html = (site / "api.html").read_text()
+    fields = re.findall(
+        r">Type<span class=\"colon\">:</span></dt>\s*<dd[^>]*>(.*?)</dd>", html, re.S
+    )
+    types = [re.sub(r"<[^>]+>", "", field).strip() for field in fields]
+    prose = [
+        text
+        for text in types
+        if not re.fullmatch(r"[\w.\[\], |()'\"-]+", text)
+        or " " in text.replace(" | ", "|").replace(", ", ",")
+    ]
+    assert not prose, prose

@@ -237,7 +237,7 @@ class Checkpoint(Saved):
     r"""whether the loop stopped here because the process was asked to stop."""
 
     time_breakdown: dict[str, float] = field(default_factory=dict, kw_only=True)
-    r"""where the interval's wall time went, in seconds: `compile`, `data`
+    r"""where the interval's wall time went, in seconds; `compile`, `data`
     (waiting for batches), `device` (the devices' steps), `caller` (your
     code since the previous checkpoint) and `wall`, their sum; `device /
     wall` is the goodput (`flax_loop.run.throughput`). `{}` for a checkpoint not
@@ -249,13 +249,13 @@ class Checkpoint(Saved):
     parameters out leaves theirs out too."""
 
     frozen: Any = field(default=None, kw_only=True, repr=False)
-    r"""which parameters no optimizer trains (`TrainTask(trainable=...)`): a
+    r"""which parameters no optimizer trains (`TrainTask(trainable=...)`); a
     tree of booleans shaped as `model_params`, `True` for a frozen one;
     `None` when every parameter trains. `CheckpointFileWriter(save_frozen=False)`
     leaves those out of its files."""
 
     throughput: dict[str, float] = field(default_factory=dict, kw_only=True)
-    r"""the interval's rates: `examples_per_second`; `tokens_per_second`
+    r"""the interval's rates, `examples_per_second`; `tokens_per_second`
     when tokens are counted (`TrainTask(tokens=...)`, or integer inputs of
     shape (batch, length)); `flops_per_step` (XLA's count for the compiled
     step, over every device; XLA counts the body of a loop once, so for a

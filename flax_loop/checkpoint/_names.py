@@ -31,7 +31,7 @@ class LeftOut:
     r"""a digest of their values (`flax_loop.checkpoint._frozen.digest`)."""
 
     fields: tuple[str, ...] = ("model_params",)
-    r"""the array fields they were left out of: the parameters, and the
+    r"""the array fields they were left out of; the parameters, and the
     carried fields that mirror them (`Checkpoint.mirrors_params`)."""
 
     def to_meta(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class OrbaxCheckpointWriter:
     r"""whether writes run in the background (Orbax's asynchronous save)."""
 
     save_frozen: bool = field(default=True, kw_only=True)
-    r"""whether checkpoints hold the parameters no optimizer trains: Orbax
+    r"""whether checkpoints hold the parameters no optimizer trains; Orbax
     checkpoints hold every parameter (`True`); `CheckpointFileWriter(
     save_frozen=False)` writes files without them."""
 

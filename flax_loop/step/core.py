@@ -96,7 +96,7 @@ class Step(NamedTuple):
     r"""A step: its `init`, its `update` and the fields it declares."""
 
     init: Init
-    r"""`init(fields) -> fields`: `CORE` in, every field the step carries out."""
+    r"""`init(fields) -> fields`; `CORE` in, every field the step carries out."""
 
     update: Update
     r"""`update(fields, batch, context) -> (fields, Outcome)`, traced and compiled."""

@@ -72,7 +72,7 @@ class Part:
     r"""its optimizer."""
 
     trainable: Any
-    r"""the filter of the parameters it trains (`None`: all)."""
+    r"""the filter of the parameters it trains (all with `None`)."""
 
 
 class Objective:

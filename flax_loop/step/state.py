@@ -26,13 +26,13 @@ class TrainState(NamedTuple):
     """
 
     counters: jax.Array
-    r"""int32[3]: the number of completed steps; since the last checkpoint, the
+    r"""int32[3]; the number of completed steps; since the last checkpoint, the
     number of steps whose loss (or, when skipping, gradient) was not finite
     and the first such step (0 if none). One array, not three: every leaf
     a step passes costs the host a fixed amount."""
 
     fields: dict[str, Any]
-    r"""the step's carried fields by name (`flax_loop.step.core`): the
+    r"""the step's carried fields by name (`flax_loop.step.core`); the
     parameters, the model's other collections, the optimizer state, and
     those the step declares. What a checkpoint saves."""
 

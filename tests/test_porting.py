@@ -1,0 +1,70 @@
+"""Programs users already have, ported as the guides port them: Flax's NNX
+tutorial loop (nnx.Optimizer, nnx.jit, nnx.MultiMetric) against flax_loop
+on the guide's model and data, bit for bit on one device. (The TrainState
+guide asserts its own equality; tests/test_docs.py runs it.)"""
+
+import os
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from flax_loop import TrainLoop, TrainTask
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.usefixtures("one_device")
+
+
+def the_guides_program_up_to_its_loop():
+    text = open(os.path.join(ROOT, "docs", "guides", "from_nnx_tutorial.md")).read()
+    block = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    namespace = {"__name__": "guide"}
+    exec(block[: block.index("model = CNN(")], namespace)
+    return namespace
+
+
+def test_the_nnx_tutorial_loop_and_flax_loop_train_the_same_bits():
+    guide = the_guides_program_up_to_its_loop()
+    cnn, batches, loss_fn = guide["CNN"], guide["train"], guide["loss_fn"]
+    n_steps = 12
+
+    # the tutorial's loop, as it writes it
+    model = cnn(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(0.005, 0.9), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+    def tutorial_loss(model, batch):
+        logits = model(batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, logits
+
+    @nnx.jit
+    def train_step(model, optimizer, metrics, batch):
+        (loss, logits), grads = nnx.value_and_grad(tutorial_loss, has_aux=True)(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+
+    for batch in batches[:n_steps]:
+        train_step(model, optimizer, metrics, batch)
+    by_hand = nnx.state(model, nnx.Param).to_pure_dict()
+    tutorial_metrics = metrics.compute()
+
+    # the port: the guide's loss (metrics by name), the same model and optimizer
+    ported = cnn(rngs=nnx.Rngs(0))
+    loop = TrainLoop(
+        init=ported,
+        task=TrainTask(ported, optax.adamw(0.005, 0.9), data=batches, compute_loss=loss_fn),
+        rnkey=jax.random.key(0),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=n_steps,
+        stdout=False,
+    )
+    checkpoint = loop.next_checkpoint()
+    assert jax.tree.structure(checkpoint.model_params) == jax.tree.structure(by_hand)
+    jax.tree.map(np.testing.assert_array_equal, checkpoint.model_params, by_hand)
+    assert checkpoint.mean_loss == pytest.approx(float(tutorial_metrics["loss"]), rel=1e-6)
+    accuracy = checkpoint.train_metrics["accuracy"]
+    assert accuracy == pytest.approx(float(tutorial_metrics["accuracy"]), rel=1e-6)
