@@ -55,7 +55,7 @@ from flax_loop.task import TrainTask
 __all__ = ["MAX_STEPS", "DEFAULT_MUTABLE_COLLECTIONS", "Collections", "TrainLoop"]
 
 MAX_STEPS = 2**31 - 1
-r"""The largest step number: the step counter on the devices is an int32."""
+r"""The largest step number; the step counter on the devices is an int32."""
 
 
 class TrainLoop:

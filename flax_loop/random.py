@@ -94,7 +94,7 @@ def step_keys(
 
 
 LOSS_STREAM = 2**31 - 1
-r"""What `loss_key` folds into a step's key on a device: no RNG label's index
+r"""What `loss_key` folds into a step's key on a device; no RNG label's index
 (`into_collection` folds in 0, 1, ...) comes near it."""
 
 

@@ -56,6 +56,15 @@ def prefetch_threads():
     return [thread for thread in threading.enumerate() if thread.name == "flax_loop-prefetch"]
 
 
+def threads_left(seconds=5.0):
+    """The reading threads still alive after `seconds` at most: a stopped
+    thread ends after its read in progress (a stop never waits for it)."""
+    deadline = time.monotonic() + seconds
+    while prefetch_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return prefetch_threads()
+
+
 def params_of(checkpoint):
     return checkpoint.model_params
 
@@ -75,7 +84,7 @@ def test_a_thread_reading_ahead_saves_the_state_of_the_last_trained_batch(tmp_pa
     writer.close()
     assert source.threads[0] == "MainThread"  # the first batch, read at set-up
     assert set(source.threads[1:]) == {"flax_loop-prefetch"}
-    assert prefetch_threads() == []
+    assert threads_left() == []
     (tmp_path / "regular.10.ckpt").unlink()  # resume from step 5
     resumed = digits_loop(
         init=CheckpointFileReader(dir=str(tmp_path), target=MLP().init),
@@ -130,7 +139,7 @@ def test_an_error_on_the_thread_is_raised_in_the_caller_with_its_step():
     with pytest.raises(OSError, match="went away") as error:
         loop.next_checkpoint()
     assert any("batch for step 17" in note for note in error.value.__notes__)
-    assert prefetch_threads() == []
+    assert threads_left() == []
     second = loop.next_checkpoint()  # the loop is still usable, nothing read is lost
     assert (first.step, second.step, second.n_completed_steps) == (10, 20, 10)
     assert second.mean_loss == pytest.approx(straight[1].mean_loss, rel=1e-6)
@@ -143,11 +152,11 @@ def test_no_reading_thread_outlives_the_end_a_break_a_stop_or_exhaustion():
     for checkpoint in loop:
         if checkpoint.step <= 3:  # reading while the caller works (it stops after step 6)
             assert len(prefetch_threads()) == 1
-    assert prefetch_threads() == []
+    assert threads_left() == []
     loop = digits_loop(data=Recorded(X_TRAIN, Y_TRAIN, 32), n_steps=6, prefetch=2)
     for _checkpoint in loop:
         break
-    assert prefetch_threads() == []
+    assert threads_left() == []
     stops = []
     loop = digits_loop(data=Recorded(X_TRAIN, Y_TRAIN, 32), n_steps=50, prefetch=2)
     for checkpoint in loop:
@@ -155,11 +164,11 @@ def test_no_reading_thread_outlives_the_end_a_break_a_stop_or_exhaustion():
         if checkpoint.step == 3:
             signal.raise_signal(signal.SIGTERM)  # the loop's handler: a stop request
     assert stops[-1] == (3, True) and len(stops) == 4  # at once, after step 3
-    assert prefetch_threads() == []
+    assert threads_left() == []
     short = iter([(X_TRAIN[:32], Y_TRAIN[:32])] * 7)
     loop = digits_loop(data=short, n_steps=10, n_steps_per_checkpoint=5, prefetch=2)
     assert [checkpoint.step for checkpoint in loop] == [5, 7]
-    assert prefetch_threads() == []
+    assert threads_left() == []
 
 
 class MainThreadOnly(ResumableBatches):

@@ -36,7 +36,7 @@ from flax_loop.checkpoint.format import Checksums
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
 
 _STEP_NAME = re.compile(r"[0-9]+")
-r"""An Orbax step folder's name (ASCII digits: `int` reads "²" as no number)."""
+r"""An Orbax step folder's name (ASCII digits; `int` reads "²" as no number)."""
 
 _FILE_NAME = re.compile(
     r"(?P<kind>regular|lowest|highest)\.(?:(?P<group>[^.]+)\.(?P<metric>[^.]+)\.)?(?P<step>\d+)"

@@ -48,7 +48,7 @@ _CHUNK = 8 << 20
 MAX_DEPTH = 64
 r"""The deepest nesting a file's tree or metadata may have (real states nest < 20)."""
 MAX_STEP = 2**31 - 1
-r"""The largest step a file may hold: the loop counts steps in an int32."""
+r"""The largest step a file may hold; the loop counts steps in an int32."""
 MAX_DIMENSIONS = 32
 r"""The most dimensions an array of a file may have (numpy's limit is 64)."""
 MAX_EXTENT = 2**62

@@ -56,14 +56,14 @@ ONE = "one"
 r"""One step."""
 
 LAST = "last"
-r"""One step that ends the interval: it also returns the gradients and the
+r"""One step that ends the interval; it also returns the gradients and the
 interval's statistics, and resets them."""
 
 MANY = "many"
 r"""`steps_per_dispatch` steps in one call (a `jax.lax.scan` over stacked batches)."""
 
 MANY_LAST = "many_last"
-r"""The steps that end an interval in one call: a scan of all but the last,
+r"""The steps that end an interval in one call; a scan of all but the last,
 then the last as `LAST` runs it."""
 
 SHORTER = "shorter"

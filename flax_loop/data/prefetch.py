@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 Read = Callable[[int], Any]
-r"""`read(step) -> item`: the batch for `step` (with its data state), `None` at the end."""
+r"""`read(step) -> item`; the batch for `step` (with its data state), `None` at the end."""
 
 GAVE_UP = object()
 r"""What `get` returns when its `give_up` said to stop waiting."""

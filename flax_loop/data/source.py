@@ -45,7 +45,7 @@ from flax_loop.log import log
 from flax_loop.parallel import Placement
 
 EPOCH = "flax_loop/epoch"
-r"""The key of a re-iterable source's data state: the epoch, and the position in it."""
+r"""The key of a re-iterable source's data state; the epoch, and the position in it."""
 
 
 class DataSource:

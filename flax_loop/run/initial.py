@@ -50,7 +50,7 @@ Reader = CheckpointFileReader | OrbaxCheckpointReader
 r"""Where a resumed loop reads its state from."""
 
 Layout = Callable[[Fields], Fields]
-r"""`layout(fields) -> their shardings`: the carried fields' (`flax_loop.step.core`)."""
+r"""`layout(fields) -> their shardings`; the carried fields' (`flax_loop.step.core`)."""
 
 
 def run_key(start: CheckpointFile, given: jax.Array, stdout: bool) -> jax.Array:

@@ -75,7 +75,7 @@ r"""Dense bfloat16 peak FLOP/s of one device, by a part of its
 Set `loop.peak_flops` for a device not listed."""
 
 TokenCount = Callable[[Any], int]
-r"""`tokens(batch) -> int`: the tokens of one batch, from its shapes."""
+r"""`tokens(batch) -> int`; the tokens of one batch, from its shapes."""
 
 
 def device_peak(device: Any) -> float | None:

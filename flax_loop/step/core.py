@@ -43,7 +43,7 @@ CORE = ("model_params", "model_state", "optimizer_state")
 r"""The fields every step carries (`flax_loop.checkpoint.Saved.CORE`)."""
 
 Fields = dict[str, Any]
-r"""A step's carried fields by name: `CORE`, then the step's own."""
+r"""A step's carried fields by name; `CORE`, then the step's own."""
 
 
 class Field(NamedTuple):
@@ -106,7 +106,7 @@ class Step(NamedTuple):
 
 
 Transform = Callable[[Step], Step]
-r"""A step's transform: `with_ema(decay)`-like functions of a step."""
+r"""A step's transform; `with_ema(decay)`-like functions of a step."""
 
 
 def chain(step: Step, *transforms: Transform) -> Step:

@@ -140,7 +140,7 @@ def check_loss(loss: Any, per_device: bool) -> jax.Array:
 
 
 SOWN = "intermediates"
-r"""The collection linen's `self.sow` writes to by default: never state."""
+r"""The collection linen's `self.sow` writes to by default; never state."""
 
 
 class LinenModel:

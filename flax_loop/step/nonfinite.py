@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax_loop.step.core import Context, Fields, Outcome, Step, Transform
 
 MODES = ("raise", "skip")
-r"""`TrainLoop(nonfinite=...)`: raise at the checkpoint, or skip such updates."""
+r"""`TrainLoop(nonfinite=...)`; raise at the checkpoint, or skip such updates."""
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -37,7 +37,7 @@ r"""Leaves of at most this many bytes are packed (benchmarks/README.md,
 "Packed state": concatenating larger ones costs more than it saves)."""
 
 MAX_STATE_BYTES = 1 << 20
-r"""A state of more bytes than this travels unpacked: its step is long enough
+r"""A state of more bytes than this travels unpacked; its step is long enough
 that the arrays a call passes are no measurable part of it, and packed
 against unpacked runs of such a CNN (benchmarks/loop_overhead.py) could
 not tell a gain from a loss."""

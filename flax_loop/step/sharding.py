@@ -46,7 +46,7 @@ from flax_loop.step.core import Field
 from flax_loop.step.state import TrainState
 
 ShardingRule = Callable[[tuple[str, ...], Any], PartitionSpec]
-r"""`rule(path, leaf) -> PartitionSpec`: the layout of one parameter."""
+r"""`rule(path, leaf) -> PartitionSpec`; the layout of one parameter."""
 
 Sharding = str | ShardingRule
 r"""`"replicated"`, `"fsdp"`, `"model"` or a `ShardingRule`."""
@@ -54,7 +54,7 @@ r"""`"replicated"`, `"fsdp"`, `"model"` or a `ShardingRule`."""
 SHARDING_MODES = ("replicated", "fsdp", "model")
 
 DEFAULT_FSDP_MIN_BYTES = 2**20
-r"""With `"fsdp"`, leaves smaller than this (1 MiB) stay replicated: splitting
+r"""With `"fsdp"`, leaves smaller than this (1 MiB) stay replicated; splitting
 them saves little memory and costs a collective each step."""
 
 

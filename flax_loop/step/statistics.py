@@ -33,7 +33,7 @@ from flax_loop.step.objective import StepInputs
 from flax_loop.step.state import TrainState
 
 Update = Callable[[TrainState, Batch, Any], tuple[TrainState, tuple[jax.Array, Any]]]
-r"""`update(state, batch, inputs) -> (state, (loss, grads))`: what the
+r"""`update(state, batch, inputs) -> (state, (loss, grads))`; what the
 compiled variants run (`flax_loop.step.lowering`); `inputs` a `StepInputs`, or
 without frozen models the training key alone."""
 

@@ -27,7 +27,7 @@ from flax_loop.errors import ConfigError
 from flax_loop.parallel import key_names
 
 Filter = Any
-r"""A filter of parameters: `filter(path, leaf) -> bool` (`path` the keys
+r"""A filter of parameters; `filter(path, leaf) -> bool` (`path` the keys
 leading to the leaf, such as `("Dense_0", "kernel")`), a string (the
 parameters whose path holds that key), a list or tuple of filters (any of
 them), or for an NNX module any NNX filter (a `Variable` type such as
