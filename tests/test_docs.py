@@ -123,6 +123,7 @@ GUIDES_RUN_ELSEWHERE = {
     "beyond_supervised.md": "test_the_beyond_supervised_guide_runs_as_written",
     "time_and_memory.md": "test_the_time_and_memory_guide_runs_as_written",
     "migrating.md": "tests/test_compat.py",
+    "from_keras.md": "tests/test_porting.py",  # Keras's JAX backend, in a process of its own
     **{name: "test_a_guide_that_resumes_runs_twice_as_a_program" for name in GUIDES_RUN_TWICE},
 }
 

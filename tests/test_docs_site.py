@@ -51,7 +51,7 @@ def test_the_site_builds_with_every_guide_and_notebook(site):
         for name in (
             "getting_started", "iterator", "models", "data", "checkpoints", "logging", "recipes",
             "beyond_supervised", "own_step", "whole_batch", "devices", "interruptions", "speed", "time_and_memory",
-            "behaviour", "from_nnx_tutorial", "from_train_state", "migrating",
+            "behaviour", "from_nnx_tutorial", "from_train_state", "from_keras", "migrating",
         )
     )  # fmt: skip
     # Notebook pages show their stored outputs (the training table, the plot).

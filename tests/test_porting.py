@@ -1,10 +1,14 @@
 """Programs users already have, ported as the guides port them: Flax's NNX
 tutorial loop (nnx.Optimizer, nnx.jit, nnx.MultiMetric) against flax_loop
-on the guide's model and data, bit for bit on one device. (The TrainState
-guide asserts its own equality; tests/test_docs.py runs it.)"""
+on the guide's model and data, bit for bit on one device; a Keras `fit`
+script against its port (the guide asserts the numbers agree), in a fresh
+process with Keras's JAX backend. (The TrainState guide asserts its own
+equality; tests/test_docs.py runs it.)"""
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -68,3 +72,23 @@ def test_the_nnx_tutorial_loop_and_flax_loop_train_the_same_bits():
     assert checkpoint.mean_loss == pytest.approx(float(tutorial_metrics["loss"]), rel=1e-6)
     accuracy = checkpoint.train_metrics["accuracy"]
     assert accuracy == pytest.approx(float(tutorial_metrics["accuracy"]), rel=1e-6)
+
+
+def test_the_keras_fit_guide_agrees_with_keras(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("keras") is None:  # imported in the guide's own process
+        pytest.skip("keras is not installed (the test extra installs it)")
+    text = open(os.path.join(ROOT, "docs", "guides", "from_keras.md")).read()
+    (tmp_path / "guide.py").write_text("\n".join(re.findall(r"```python\n(.*?)```", text, re.S)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
+    result = subprocess.run(
+        [sys.executable, "guide.py"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    keras_line, ours = (
+        line for line in result.stdout.splitlines() if line.startswith(("keras ", "flax_loop "))
+    )
+    assert keras_line.split(None, 1)[1] == ours.split(None, 1)[1]  # the epochs' losses
