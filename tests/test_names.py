@@ -85,3 +85,33 @@ def test_a_writer_says_what_it_removes_unless_stdout_is_off(tmp_path):
         said = "removing 1 file(s) of steps [4] an earlier run left" in out.getvalue()
         assert said is stdout, out.getvalue()
         assert sorted(n for n in os.listdir(directory) if n.endswith(".ckpt")) == ["regular.2.ckpt"]
+
+
+def test_the_tensorboard_writer_says_once_how_to_see_its_events_unless_stdout_is_off(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from flax_loop import SummaryWriter
+
+    pytest.importorskip("tensorboardX")
+    model = MLP(features=(8,))
+    summary = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X, Y, 32)),
+        rnkey=jax.random.key(0),
+        n_steps=1,
+        devices=jax.devices()[:1],
+        stdout=False,
+    ).next_checkpoint()
+    for stdout in (True, False):
+        out = io.StringIO()
+        set_console(Console(file=out, width=200))
+        try:
+            with SummaryWriter(str(tmp_path / str(stdout)), stdout=stdout) as write:
+                write(summary)
+                write(summary)
+        finally:
+            set_console(None)
+        said = out.getvalue().count(f"tensorboard --logdir {tmp_path / str(stdout)}")
+        assert said == (1 if stdout else 0), out.getvalue()

@@ -107,6 +107,8 @@ class MLflowWriter:
         run_name: the run's name (MLflow picks one by default).
         params: hyperparameters to log once (values become strings).
         timeout: the most seconds a write (or `close`) waits for the store.
+        stdout: whether to print the writer's notes (a renamed metric, a
+            store that did not take a write).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class MLflowWriter:
         run_name: str | None = None,
         params: dict[str, Any] | None = None,
         timeout: float = 5.0,
+        stdout: bool = True,
     ) -> None:
         if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ConfigError(f"timeout must be a positive number of seconds; got {timeout!r}.")
@@ -127,6 +130,7 @@ class MLflowWriter:
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.params = dict(params or {})
         self.timeout = float(timeout)
+        self.stdout = stdout
         self.run_id: str | None = None
         r"""the MLflow run's id, once the first summary is written."""
         self._pending: list[Any] = []  # metrics the store has not taken yet
@@ -176,6 +180,7 @@ class MLflowWriter:
             if taken != name:
                 log(
                     f"MLflow does not take the metric name {name!r}: it is logged as {taken!r}.",
+                    self.stdout,
                     lead="MLflowWriter:",
                     style="yellow",
                 )
@@ -203,6 +208,7 @@ class MLflowWriter:
         log(
             f"the store {self.tracking_uri or '(default)'} did not take {what} ({why}); "
             f"{n_kept} values are kept and sent again with the next write.",
+            self.stdout,
             lead="MLflowWriter:",
             style="yellow",
         )
@@ -237,6 +243,7 @@ class MLflowWriter:
                 log(
                     f"the run could not be marked finished ({type(error).__name__}: "
                     f"{str(error)[:300]}).",
+                    self.stdout,
                     lead="MLflowWriter:",
                     style="yellow",
                 )

@@ -11,7 +11,7 @@ from typing import Any
 
 from flax_loop.checkpoint import Checkpoint, as_summary, expect
 from flax_loop.errors import ConfigError
-from flax_loop.log import is_main_process
+from flax_loop.log import is_main_process, log
 
 
 class SummaryWriter:
@@ -50,10 +50,12 @@ class SummaryWriter:
     process 0 writes.
     """
 
-    def __init__(self, output_dir: str) -> None:
+    def __init__(self, output_dir: str, stdout: bool = True) -> None:
         if not isinstance(output_dir, (str, os.PathLike)):
             raise ConfigError(f"output_dir must be a path; got {type(output_dir).__name__}.")
         self.output_dir = os.fspath(output_dir)
+        self.stdout = stdout
+        r"""whether the first write says how to see the events (`tensorboard --logdir`)."""
         self._writer: Any | None = None
         self._closing: weakref.finalize | None = None
 
@@ -72,6 +74,11 @@ class SummaryWriter:
             # writers made in one second apart.
             suffix = f".{os.getpid()}.{next(_writer_numbers)}"
             self._writer = EventsWriter(os.path.join(self.output_dir, "events"), suffix)
+            log(
+                f"tensorboard --logdir {self.output_dir} shows the events.",
+                self.stdout,
+                lead="TensorBoard:",
+            )
             # closed when this writer is dropped or at exit, whichever comes first
             self._closing = weakref.finalize(self, self._writer.close)
         return self._writer
