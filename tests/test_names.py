@@ -115,3 +115,41 @@ def test_the_tensorboard_writer_says_once_how_to_see_its_events_unless_stdout_is
             set_console(None)
         said = out.getvalue().count(f"tensorboard --logdir {tmp_path / str(stdout)}")
         assert said == (1 if stdout else 0), out.getvalue()
+
+
+def test_a_json_lines_writer_says_when_it_appends_to_an_earlier_run(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from flax_loop import JsonLinesWriter
+
+    model = MLP(features=(8,))
+    checkpoints = list(
+        TrainLoop(
+            init=model.init,
+            task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X, Y, 32)),
+            rnkey=jax.random.key(0),
+            n_steps=2,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+    )
+    path = str(tmp_path / "metrics.jsonl")
+    said = []
+    for stdout in (True, True, False):
+        out = io.StringIO()
+        set_console(Console(file=out, width=200))
+        try:
+            with JsonLinesWriter(path, stdout=stdout) as write:
+                for checkpoint in checkpoints:
+                    write(checkpoint)
+        finally:
+            set_console(None)
+        said.append(out.getvalue())
+    assert said[0] == ""  # a new file
+    assert (
+        "appending to" in said[1]
+        and "holds 2 lines of an earlier run, the last of step 2" in said[1]
+    )
+    assert said[2] == ""  # stdout=False

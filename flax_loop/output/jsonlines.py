@@ -40,7 +40,7 @@ import numpy as np
 
 from flax_loop.checkpoint import Checkpoint, as_summary, expect
 from flax_loop.errors import CheckpointError, ConfigError, MetricError
-from flax_loop.log import is_main_process
+from flax_loop.log import is_main_process, log
 
 
 class JsonLinesWriter:
@@ -55,13 +55,17 @@ class JsonLinesWriter:
 
     Args:
         path: the file to append to (its directory is created).
+        stdout: whether the first write says when it appends to an earlier
+            run's lines (how many, and the last step they hold).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, stdout: bool = True) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError(f"path must be a file path; got {type(path).__name__}.")
         self.path = os.fspath(path)
+        self.stdout = stdout
         self._file: int | None = None
+        self._said = False
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         r"""Appends a line for the summary and returns it unchanged."""
@@ -80,6 +84,9 @@ class JsonLinesWriter:
             for name, value in metrics.items():
                 record[f"{group}/{name}"] = _json_value(f"{group}/{name}", value)
         line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+        if not self._said:
+            self._said = True
+            self._say_earlier_lines()
         descriptor = self._open()
         size = os.fstat(descriptor).st_size
         try:
@@ -96,6 +103,26 @@ class JsonLinesWriter:
                 "The lines already there are intact."
             ) from None
         return checkpoint
+
+    def _say_earlier_lines(self) -> None:
+        r"""One line when the file holds an earlier run's lines (appended to)."""
+        try:
+            with open(self.path, encoding="utf-8") as earlier:
+                lines = [line for line in earlier if line.strip()]
+        except OSError:
+            return
+        if not lines:
+            return
+        try:
+            last = json.loads(lines[-1]).get("step")
+        except ValueError:
+            last = None
+        at = f", the last of step {last:,}" if isinstance(last, int) else ""
+        log(
+            f"appending to {self.path}, which holds {len(lines):,} lines of an earlier run{at}.",
+            self.stdout,
+            lead="JsonLinesWriter:",
+        )
 
     def _open(self) -> int:
         if self._file is None:
