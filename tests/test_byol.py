@@ -119,6 +119,7 @@ def loop(n_steps, every, init=MODEL.init, **options):
         input_sample=DIGITS[:1],
         n_steps=n_steps,
         n_steps_per_checkpoint=every,
+        devices=jax.devices()[:1],  # also in the module fixture, made before one_device
         stdout=False,
         **options,
     )
@@ -129,12 +130,17 @@ def same(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def test_byol_moves_its_target_as_plain_jax_does():
-    checkpoints = list(loop(4, 1))
-    first = checkpoints[0]
+@pytest.fixture(scope="module")
+def straight():
+    """8 steps, a checkpoint each: the reference of the tests here."""
+    return list(loop(8, 1))
+
+
+def test_byol_moves_its_target_as_plain_jax_does(straight):
+    first = straight[0]
     assert sorted(first.carry) == ["encoder", "projector"]
     data = batches()
-    for before, after in zip(checkpoints, checkpoints[1:]):
+    for before, after in zip(straight[:3], straight[1:4]):
         rng = loss_key(train_key(jax.random.key(0)), before.step + 1, 0)
         params, _, target = by_hand(
             before.model_params,
@@ -146,17 +152,16 @@ def test_byol_moves_its_target_as_plain_jax_does():
         )
         same((after.model_params, after.carry), (params, target))
     # the target lags: it is neither where it started nor the online network
-    last = checkpoints[-1]
+    last = straight[-1]
     kernel = last.carry["projector"]["kernel"]
     assert not np.array_equal(kernel, first.carry["projector"]["kernel"])
     assert not np.array_equal(kernel, last.model_params["projector"]["kernel"])
 
 
-def test_byol_resumes_bit_for_bit_at_any_cadence(tmp_path):
-    straight = list(loop(8, 8))[-1]
+def test_byol_resumes_bit_for_bit_at_any_cadence(straight, tmp_path):
     with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
         for checkpoint in loop(3, 3):
             write(checkpoint)
     reader = CheckpointFileReader(dir=str(tmp_path), target=MODEL.init)
     for other in (list(loop(8, 7, init=reader))[-1], list(loop(8, 8, steps_per_dispatch=4))[-1]):
-        same((other.model_params, other.carry), (straight.model_params, straight.carry))
+        same((other.model_params, other.carry), (straight[-1].model_params, straight[-1].carry))

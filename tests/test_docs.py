@@ -20,6 +20,7 @@ from rich.console import Console
 
 import flax_loop
 from flax_loop import set_console
+from tests.flags import xla_flags
 from tests.helpers import ROOT, digits_split
 
 X_TRAIN, Y_TRAIN, X_TEST, Y_TEST = digits_split()
@@ -76,7 +77,7 @@ def test_readme_program_runs_as_pasted_twice_and_prints_what_it_shows(tmp_path):
     section = readme_section("A complete program")
     program, shown = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.DOTALL)
     (tmp_path / "train.py").write_text(program)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, the suite's compile flags
     env["JAX_PLATFORMS"] = "cpu"
 
     def run():
@@ -176,7 +177,7 @@ def test_a_guide_that_resumes_runs_twice_as_a_program(guide, tmp_path):
     # device, then again in the same directory (its files there)
     text = open(os.path.join(ROOT, "docs", "guides", guide)).read()
     (tmp_path / "guide.py").write_text("\n".join(re.findall(r"```python\n(.*?)```", text, re.S)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, the suite's compile flags
     env["JAX_PLATFORMS"] = "cpu"
     for run in ("first", "second"):
         result = subprocess.run(

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from flax_loop import TrainLoop, TrainTask
+from tests.flags import xla_flags
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_device")
@@ -81,7 +82,7 @@ def test_the_keras_fit_guide_agrees_with_keras(tmp_path):
         pytest.skip("keras is not installed (the test extra installs it)")
     text = open(os.path.join(ROOT, "docs", "guides", "from_keras.md")).read()
     (tmp_path / "guide.py").write_text("\n".join(re.findall(r"```python\n(.*?)```", text, re.S)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, the suite's compile flags
     env.update(JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     result = subprocess.run(
         [sys.executable, "guide.py"], cwd=tmp_path, capture_output=True, text=True,

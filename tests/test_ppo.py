@@ -64,10 +64,14 @@ def same(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def test_each_ppo_step_is_the_hand_written_iteration():
-    checkpoints = list(ppo.make_loop(3, ppo.ActorCritic().init, n_steps_per_checkpoint=1))
-    assert checkpoints[-1].step == 3
-    for before, after in zip(checkpoints, checkpoints[1:]):
+@pytest.fixture(scope="module")
+def straight():
+    """A run of 8 steps, a checkpoint each: the reference of every test here."""
+    return list(ppo.make_loop(8, ppo.ActorCritic().init, n_steps_per_checkpoint=1, stdout=False))
+
+
+def test_each_ppo_step_is_the_hand_written_iteration(straight):
+    for before, after in zip(straight[:3], straight[1:4]):
         params, opt_state, carry = by_hand(
             before.model_params, before.optimizer_state, before.carry, the_rng(before.step)
         )
@@ -76,17 +80,14 @@ def test_each_ppo_step_is_the_hand_written_iteration():
         same((after.model_params, after.carry), (params, carry))
 
 
-def test_ppo_keeps_its_bits_at_any_cadence():
-    def last(**options):
-        return list(ppo.make_loop(8, ppo.ActorCritic().init, **options))[-1]
-
-    straight = last(n_steps_per_checkpoint=1)
-    for other in (
-        last(n_steps_per_checkpoint=7),
-        last(n_steps_per_checkpoint=8, steps_per_dispatch=4),
+def test_ppo_keeps_its_bits_at_any_cadence(straight):
+    for options in (
+        {"n_steps_per_checkpoint": 7},
+        {"n_steps_per_checkpoint": 8, "steps_per_dispatch": 4},
     ):
-        same(other.model_params, straight.model_params)
-        same(other.carry, straight.carry)
+        other = list(ppo.make_loop(8, ppo.ActorCritic().init, stdout=False, **options))[-1]
+        same(other.model_params, straight[-1].model_params)
+        same(other.carry, straight[-1].carry)
 
 
 KILLED_RUN = """
@@ -102,7 +103,7 @@ with CheckpointFileWriter(output_dir=sys.argv[1]) as write:
 """
 
 
-def test_ppo_killed_and_run_again_resumes_bit_for_bit(tmp_path):
+def test_ppo_killed_and_run_again_resumes_bit_for_bit(tmp_path, straight):
     directory = str(tmp_path / "ppo")
     process = start([sys.executable, "-c", KILLED_RUN, directory])
     try:
@@ -119,11 +120,10 @@ def test_ppo_killed_and_run_again_resumes_bit_for_bit(tmp_path):
     command = [sys.executable, "examples/ppo_cartpole.py", "--steps", "8", "--every", "4"]
     printed = run([*command, "--dir", directory])
     assert "step 8: mean episode return" in printed and "step 4:" not in printed
-    straight = str(tmp_path / "straight")
-    with CheckpointFileWriter(output_dir=straight) as write:
-        for checkpoint in ppo.make_loop(8, ppo.ActorCritic().init, n_steps_per_checkpoint=8):
-            write(checkpoint)
-    (resumed,), (expected,) = (list_checkpoints(d)[-1:] for d in (directory, straight))
+    uninterrupted = str(tmp_path / "straight")
+    with CheckpointFileWriter(output_dir=uninterrupted) as write:
+        write(straight[-1])
+    (resumed,), (expected,) = (list_checkpoints(d)[-1:] for d in (directory, uninterrupted))
     assert resumed.step == expected.step == 8
     arrays, _ = read(resumed.path)
     same(arrays, read(expected.path)[0])
