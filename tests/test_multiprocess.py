@@ -97,8 +97,10 @@ def test_two_processes_compute_what_one_process_computes(tmp_path):
     from tests.helpers import MLP, digits_split
 
     succeed(1, "--n-steps", 20, "--out", tmp_path / "one.npz", "--eval")
+    # the two processes train with your own step doing what the built-in one does
     results = succeed(
         2,
+        "--own-step",
         "--n-steps",
         20,
         "--out",
@@ -129,6 +131,10 @@ def test_two_processes_compute_what_one_process_computes(tmp_path):
     assert float(two["accuracy"]) == pytest.approx(expected, abs=1e-6)
 
 
+@slow(
+    "by default two processes run your own step replicated, against one process's "
+    "built-in step (test_two_processes_compute_what_one_process_computes)"
+)
 def test_your_own_step_on_two_processes_sharded_computes_what_the_built_in_one_does(tmp_path):
     # two processes of two devices each, the state split over them (fsdp):
     # the built-in step, then your own step doing the same, bit for bit
