@@ -156,7 +156,10 @@ def in_a_terminal(every, sleep, presses):
     pid, terminal = pty.fork()
     if pid == 0:  # the child: the pseudo-terminal is its console
         program = TERMINAL_PROGRAM.format(root=ROOT, every=every, sleep=sleep)
-        os.execv(sys.executable, [sys.executable, "-c", program])
+        from tests.flags import xla_flags
+
+        environment = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, as a reader's
+        os.execve(sys.executable, [sys.executable, "-c", program], environment)
     output = b""
 
     def read_until(text, seconds):
