@@ -9,8 +9,9 @@ import optax
 from flax_loop.data.batch import DataStream
 from flax_loop.errors import ConfigError
 from flax_loop.step.core import Transform
+from flax_loop.step.model import check_compute_loss
 from flax_loop.step.modules import is_nnx
-from flax_loop.step.objective import LossFn, check_compute_loss
+from flax_loop.step.objective import LossFn
 from flax_loop.step.own import check_update
 from flax_loop.step.several import check_models, is_several, trains_by_model
 

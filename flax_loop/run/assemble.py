@@ -64,6 +64,7 @@ from flax_loop.run.runner import Runner
 from flax_loop.run.throughput import TimeBreakdown, meter
 from flax_loop.step.compiled import CompiledSteps
 from flax_loop.step.core import Step
+from flax_loop.step.model import refuse_float_labels
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
 from flax_loop.step.several import as_one, is_several
@@ -336,7 +337,7 @@ def _compiled(
             "jax.lax.cond(...), and a loop with jax.lax.fori_loop(...)."
         ) from None
     except TypeError as error:
-        _refuse_float_labels(error, feed)
+        refuse_float_labels(error, getattr(feed.spec, "targets", ()))
         error.add_note(
             "flax_loop: raised while tracing the training step (the model and "
             f"the loss) on the first batch: {feed.spec.describe()}."
@@ -349,20 +350,6 @@ def _compiled(
                 f"the loss) on the first batch: {feed.spec.describe()}."
             )
         raise
-
-
-def _refuse_float_labels(error: TypeError, feed: BatchFeed) -> None:
-    r"""A `LossError` for the newcomer's float class labels: a loss that needs
-    integer labels (optax's `..._with_integer_labels`) given floating targets."""
-    spec = getattr(feed.spec, "targets", ())
-    floating = [f"{shape} {dtype}" for shape, dtype in spec if np.issubdtype(dtype, np.floating)]
-    if floating and "integer" in str(error):
-        raise LossError(
-            f"The loss needs integer class labels, and the batch's targets are "
-            f"{', '.join(floating)} ({type(error).__name__}: {str(error).splitlines()[0]}). "
-            "Give the labels as integers: y.astype(np.int32) where the batches are made "
-            "(or labels.astype(jnp.int32) in the loss)."
-        ) from None
 
 
 def _init_inputs(

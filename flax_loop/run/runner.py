@@ -155,11 +155,7 @@ class Runner:
             self.guard.clear()  # a request ends the call it was made in
             if self.profile is not None:
                 self.profile.finish(self.stdout)  # never leave a trace running
-            self._stop_report()
-
-    def _stop_report(self) -> None:
-        if self.report is not None:
-            self.report.stop()
+            _stop(self.report)
 
     def run(self, target: int | None) -> Iterator[Checkpoint]:
         r"""Yields the checkpoints up to step `target` (`None`: up to
@@ -185,13 +181,13 @@ class Runner:
                     return
                 yield checkpoint
                 if checkpoint.preempted:
-                    self._stop_report()  # the bar's last line before the closing one
+                    _stop(self.report)  # the bar's last line before the closing one
                     message = STOPPED.format(step=self.step, why=self.stopped_by)
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
                     return
             trained = self.step - self.first_step
             if target is None and self.step >= self.n_steps and trained:  # the closing line
-                self._stop_report()
+                _stop(self.report)
                 log(
                     done_line(trained, self.step, self.times.totals()),
                     self.stdout,
@@ -299,17 +295,33 @@ class Runner:
         _account(self, checkpoint, (started, mark), data, device, compiled_before)
         if preempted:
             self.stopped_by = guard.name or "another process was asked to stop"
-            # A Ctrl-C request stays until the call ends: a second Ctrl-C in
-            # the body of this last checkpoint is a second press (at once).
-            # Another signal there is a new request, which the stop already
-            # honours: a second SIGTERM must not end the body writing the file.
-            if guard.signal != signal.SIGINT:
-                guard.clear()
+            _keep_a_ctrl_c(guard)
         if report is not None:
-            metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}
-            loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss
-            report.checkpoint(step, loss, metrics)
+            _show(report, step, checkpoint)
         return checkpoint
+
+
+def _stop(report: ProgressReport | None) -> None:
+    r"""The progress bar stops (its last line stays above what comes next)."""
+    if report is not None:
+        report.stop()
+
+
+def _keep_a_ctrl_c(guard: PreemptionGuard) -> None:
+    r"""At the stop's checkpoint: a Ctrl-C request stays until the call ends
+    (a second Ctrl-C in the body of this last checkpoint is a second press,
+    raised at once); another signal's is cleared: a new request there, which
+    the stop already honours (a second SIGTERM must not end the body writing
+    the file)."""
+    if guard.signal != signal.SIGINT:
+        guard.clear()
+
+
+def _show(report: ProgressReport, step: int, checkpoint: Checkpoint) -> None:
+    r"""The checkpoint's loss and metrics in the progress report."""
+    metrics = {k: v for k, v in checkpoint.train_metrics.items() if k != "loss"}
+    loss = checkpoint.mean_loss if checkpoint.n_completed_steps else checkpoint.loss
+    report.checkpoint(step, loss, metrics)
 
 
 def _account(

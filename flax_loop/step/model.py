@@ -9,6 +9,7 @@ Violations become `ApplyError` and `LossError` exceptions that say what to pass.
 ()
 """
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from flax.core.scope import CollectionFilter, in_filter, union_filters
 from flax.errors import InvalidRngError
 
-from flax_loop.errors import ApplyError, LossError
+from flax_loop.errors import ApplyError, ConfigError, LossError
 
 
 def call_apply(
@@ -219,3 +220,54 @@ class LinenModel:
     def collected(self) -> dict[str, Any]:
         r"""The collections the calls changed (what the step carries)."""
         return {name: self.state[name] for name in self._changed}
+
+
+def check_compute_loss(compute_loss: Any, name: str, frozen: bool, carry: bool = False) -> None:
+    r"""Checks that `compute_loss` takes `(model, batch, *, rng, step[,
+    frozen][, carry])`.
+
+    Raises:
+        ConfigError: naming what the signature lacks.
+    """
+    if not callable(compute_loss):
+        raise ConfigError(f"{name} must be callable; got {compute_loss!r}.")
+    try:
+        signature = inspect.signature(compute_loss)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: it will be called as documented
+    keywords = ["rng", "step"] + (["frozen"] if frozen else []) + (["carry"] if carry else [])
+    parameters = signature.parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        keywords = []
+    missing = [keyword for keyword in keywords if keyword not in signature.parameters]
+    positional = [
+        parameter
+        for parameter in parameters
+        if parameter.kind
+        in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    varargs = any(parameter.kind is inspect.Parameter.VAR_POSITIONAL for parameter in parameters)
+    if missing or (len(positional) < 2 and not varargs):
+        raise ConfigError(
+            f"{name} must be compute_loss(model, batch, *, rng, step"
+            f"{', frozen' if frozen else ''}{', carry' if carry else ''}) -> "
+            f"{'(loss, metrics, new_carry)' if carry else 'loss or (loss, metrics)'}; "
+            f"{compute_loss!r} has the signature {signature}"
+            f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}."
+        )
+
+
+def refuse_float_labels(error: TypeError, targets: Any) -> None:
+    r"""A `LossError` for float class labels: a loss that needs integer
+    labels (optax's `..._with_integer_labels`) raised `error` while the
+    batch's targets (`(shape, dtype)` pairs) are floating point."""
+    floating = [
+        f"{shape} {dtype}" for shape, dtype in targets if jnp.issubdtype(dtype, jnp.floating)
+    ]
+    if floating and "integer" in str(error):
+        raise LossError(
+            f"The loss needs integer class labels, and the batch's targets are "
+            f"{', '.join(floating)} ({type(error).__name__}: {str(error).splitlines()[0]}). "
+            "Give the labels as integers: y.astype(np.int32) where the batches are made "
+            "(or labels.astype(jnp.int32) in the loss)."
+        ) from None

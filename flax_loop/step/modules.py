@@ -327,3 +327,18 @@ def _param_leaves(module: nnx.Module) -> dict[str, Any]:
         "/".join(map(str, path)): leaf.get_value() if hasattr(leaf, "get_value") else leaf
         for path, leaf in flat
     }
+
+
+def refuse_evaluation_defaults(module: Any) -> None:
+    r"""A `ConfigError` for an NNX module that a supervised task's call,
+    `module(*inputs)`, would run in evaluation mode (`evaluation_defaults`)."""
+    flags = evaluation_defaults(module)
+    if flags:
+        raise ConfigError(
+            f"{type(module).__name__}.__call__ defaults to evaluation mode ({', '.join(flags)}) "
+            "and holds dropout or batch normalization: called as model(x) with a task's "
+            "loss, it would train with dropout off, silently. flax_loop sets the mode "
+            "itself (module.train() while training, module.eval() in EvalLoop), which "
+            "nnx.Dropout and nnx.BatchNorm follow: drop the argument and let the layers "
+            "follow the mode, or default it to training (train=True)."
+        )

@@ -28,7 +28,6 @@ become models again inside the step, in evaluation mode.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -39,7 +38,7 @@ from flax.core.scope import CollectionFilter
 from flax_loop.data.batch import Batch, BatchTree
 from flax_loop.errors import ConfigError
 from flax_loop.step.model import LinenModel, as_outputs
-from flax_loop.step.modules import NNXModel, evaluation_defaults, is_nnx
+from flax_loop.step.modules import NNXModel, is_nnx, refuse_evaluation_defaults
 from flax_loop.step.several import LinenModels, as_one, default_trainable, is_several
 from flax_loop.step.trainable import Partition, union
 
@@ -111,7 +110,7 @@ class Objective:
         feed learns from the first batch."""
         self._nnx = NNXModel(apply, train=True) if is_nnx(apply) else None
         if self._nnx is not None and supervised:
-            _refuse_evaluation_defaults(apply)
+            refuse_evaluation_defaults(apply)
         self._apply = apply
         self._frozen_nnx = {
             name: NNXModel(value, train=False)
@@ -121,8 +120,7 @@ class Objective:
         self._frozen = frozen
         self._partitions: list[Partition] | None = None
         self._passes_frozen = frozen is not None and not supervised
-        self.carries = False
-        r"""whether the losses take `carry=` and return a new one (`TrainTask.carry`)."""
+        self.carries = False  # whether the losses take carry= (TrainTask.carry)
         self.losses: Any = None
         r"""the task's loss functions as it gave them (`loss`, `compute_loss`),
         for `key` (a supervised part's loss is a wrapper of its own)."""
@@ -328,21 +326,6 @@ class Objective:
         return part.compute_loss(bound.model, given, **keywords)
 
 
-def _refuse_evaluation_defaults(module: Any) -> None:
-    r"""A `ConfigError` for an NNX module that a supervised task's call,
-    `module(*inputs)`, would run in evaluation mode (`evaluation_defaults`)."""
-    flags = evaluation_defaults(module)
-    if flags:
-        raise ConfigError(
-            f"{type(module).__name__}.__call__ defaults to evaluation mode ({', '.join(flags)}) "
-            "and holds dropout or batch normalization: called as model(x) with a task's "
-            "loss, it would train with dropout off, silently. flax_loop sets the mode "
-            "itself (module.train() while training, module.eval() in EvalLoop), which "
-            "nnx.Dropout and nnx.BatchNorm follow: drop the argument and let the layers "
-            "follow the mode, or default it to training (train=True)."
-        )
-
-
 def lora_hint(objective: Objective) -> str | None:
     r"""For an NNX module holding `nnx.LoRAParam`s that every part trains
     whole (no `trainable`), the line that says so and how to train the
@@ -374,38 +357,3 @@ def supervised_loss(loss: Callable[..., Any]) -> Callable[[Any, Batch], Any]:
         return loss(*as_outputs(bound.outputs(*inputs)), *targets)
 
     return compute_loss
-
-
-def check_compute_loss(compute_loss: Any, name: str, frozen: bool, carry: bool = False) -> None:
-    r"""Checks that `compute_loss` takes `(model, batch, *, rng, step[,
-    frozen][, carry])`.
-
-    Raises:
-        ConfigError: naming what the signature lacks.
-    """
-    if not callable(compute_loss):
-        raise ConfigError(f"{name} must be callable; got {compute_loss!r}.")
-    try:
-        signature = inspect.signature(compute_loss)
-    except (TypeError, ValueError):
-        return  # a builtin or C function: it will be called as documented
-    keywords = ["rng", "step"] + (["frozen"] if frozen else []) + (["carry"] if carry else [])
-    parameters = signature.parameters.values()
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        keywords = []
-    missing = [keyword for keyword in keywords if keyword not in signature.parameters]
-    positional = [
-        parameter
-        for parameter in parameters
-        if parameter.kind
-        in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    varargs = any(parameter.kind is inspect.Parameter.VAR_POSITIONAL for parameter in parameters)
-    if missing or (len(positional) < 2 and not varargs):
-        raise ConfigError(
-            f"{name} must be compute_loss(model, batch, *, rng, step"
-            f"{', frozen' if frozen else ''}{', carry' if carry else ''}) -> "
-            f"{'(loss, metrics, new_carry)' if carry else 'loss or (loss, metrics)'}; "
-            f"{compute_loss!r} has the signature {signature}"
-            f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}."
-        )
