@@ -336,14 +336,9 @@ def _compiled(
             "on a value, the step's number `step` included, with jnp.where(...) or "
             "jax.lax.cond(...), and a loop with jax.lax.fori_loop(...)."
         ) from None
-    except TypeError as error:
-        refuse_float_labels(error, getattr(feed.spec, "targets", ()))
-        error.add_note(
-            "flax_loop: raised while tracing the training step (the model and "
-            f"the loss) on the first batch: {feed.spec.describe()}."
-        )
-        raise
     except Exception as error:
+        if isinstance(error, TypeError):
+            refuse_float_labels(error, getattr(feed.spec, "targets", ()))
         if not isinstance(error, FlaxLoopError):
             error.add_note(
                 "flax_loop: raised while tracing the training step (the model and "

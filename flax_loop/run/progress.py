@@ -209,24 +209,24 @@ class _Steps(ProgressColumn):
         return Text(f"{done:,}{total}")
 
 
-class _Elapsed(ProgressColumn):
-    r"""`elapsed 0:01:02`, blank once a stop was requested (room for the notice)."""
+class _Noticing(ProgressColumn):
+    r"""A column of one line that reads the stop notice as it renders."""
 
     def __init__(self, notice: Callable[[], str]) -> None:
         super().__init__(table_column=Column(no_wrap=True))
         self._notice = notice
+
+
+class _Elapsed(_Noticing):
+    r"""`elapsed 0:01:02`, blank once a stop was requested (room for the notice)."""
 
     def render(self, task: Task) -> Text:
         return Text("" if self._notice() else task.fields.get("elapsed", ""))
 
 
-class _Notice(ProgressColumn):
+class _Notice(_Noticing):
     r"""The stop request, shown in the bar's line as soon as it is made
     (the bar redraws on its own thread)."""
-
-    def __init__(self, notice: Callable[[], str]) -> None:
-        super().__init__(table_column=Column(no_wrap=True))
-        self._notice = notice
 
     def render(self, task: Task) -> Text:
         return Text(self._notice(), style="bold yellow")
