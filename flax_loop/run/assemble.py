@@ -227,7 +227,7 @@ def _start(
         log(f"Resumed from step {start.step:,} ({start.path}).", stdout=stdout)
     step = distributed.agree("the step to resume from", start.step)
     step_key: Any = placement.replicate(run_once(train_key, None, key, key="train key"))
-    frozen = objective.frozen_arrays()
+    frozen = None if objective.frozen is None else objective.frozen.arrays()
     if frozen is not None:  # beside the key: replicated, never donated
         step_key = StepInputs(step_key, placement.replicate(frozen))
     state, shardings = placed(

@@ -33,10 +33,11 @@ from jax.sharding import NamedSharding
 from flax_loop.step.core import Step, Transform, chain
 from flax_loop.step.ema import with_ema
 from flax_loop.step.nonfinite import skip_nonfinite
-from flax_loop.step.objective import Objective, Part, supervised_loss
+from flax_loop.step.objective import Objective, Part
 from flax_loop.step.own import UpdateFn, own_step
 from flax_loop.step.parts import parts_step
 from flax_loop.step.statistics import Update, counted
+from flax_loop.step.supervised import supervised_loss
 
 
 def task_step(

@@ -9,8 +9,7 @@ whose loss calls the model on the batch's inputs.
 
 The model a loss sees (`Bound`): for an NNX module a new module holding the
 step's variables; for linen a `LinenModel`, a callable that applies them.
-Frozen models (`TrainTask(frozen=...)`) travel to the devices as arrays and
-become models again inside the step, in evaluation mode.
+Frozen models (`TrainTask(frozen=...)`) are `step/frozen.FrozenModels`.
 
 >>> import numpy as np
 >>> import flax.linen as nn
@@ -35,11 +34,13 @@ import jax
 import optax
 from flax.core.scope import CollectionFilter
 
-from flax_loop.data.batch import Batch, BatchTree
+from flax_loop.data.batch import BatchTree
 from flax_loop.errors import ConfigError
-from flax_loop.step.model import LinenModel, as_outputs
+from flax_loop.step.frozen import FrozenModels
+from flax_loop.step.model import LinenModel
 from flax_loop.step.modules import NNXModel, is_nnx, refuse_evaluation_defaults
 from flax_loop.step.several import LinenModels, as_one, default_trainable, is_several
+from flax_loop.step.supervised import supervised_loss
 from flax_loop.step.trainable import Partition, union
 
 
@@ -82,7 +83,7 @@ class Objective:
         apply: the model's apply function or NNX module.
         rng_labels: the RNG collections the model draws from.
         mutable_collections: the collections training may change.
-        frozen: frozen models or pytrees by name, or `None`.
+        frozen: frozen models or pytrees by name, one of them, or `None`.
         supervised: whether the parts' losses take `(inputs, targets)` batches
             (a task's `loss`) rather than the batch as the stream gave it.
         batch_tree: (not supervised) the structure of the stream's batches,
@@ -95,7 +96,7 @@ class Objective:
         apply: Any,
         rng_labels: Sequence[str],
         mutable_collections: CollectionFilter,
-        frozen: Mapping[str, Any] | None = None,
+        frozen: Any = None,
         supervised: bool = False,
         batch_tree: BatchTree | None = None,
     ) -> None:
@@ -112,14 +113,9 @@ class Objective:
         if self._nnx is not None and supervised:
             refuse_evaluation_defaults(apply)
         self._apply = apply
-        self._frozen_nnx = {
-            name: NNXModel(value, train=False)
-            for name, value in (frozen or {}).items()
-            if is_nnx(value)
-        }
-        self._frozen = frozen
+        self.frozen = FrozenModels.of(frozen)
+        r"""the frozen models, or `None`."""
         self._partitions: list[Partition] | None = None
-        self._passes_frozen = frozen is not None and not supervised
         self.carries = False  # whether the losses take carry= (TrainTask.carry)
         self.losses: Any = None
         r"""the task's loss functions as it gave them (`loss`, `compute_loss`),
@@ -131,17 +127,10 @@ class Objective:
         definition, a linen `apply` by identity), the losses, each part's
         optimizer and trainable filter, the RNG labels, the mutable
         collections, the frozen models and the batches' structure."""
-        from flax_loop.step.cache import identity, signature
+        from flax_loop.step.cache import identity
 
         model = self._nnx.graphdef if self._nnx is not None else identity(self._apply)
-        # frozen models travel as arguments: their structure, never their values
-        frozen = tuple(
-            (
-                name,
-                self._frozen_nnx[name].graphdef if name in self._frozen_nnx else signature(value),
-            )
-            for name, value in (self._frozen or {}).items()
-        )
+        frozen = () if self.frozen is None else self.frozen.key()
         parts = tuple(
             (part.name, identity(part.optimizer), identity(part.trainable)) for part in self.parts
         )
@@ -176,8 +165,6 @@ class Objective:
         losses: Any = supervised_loss(task.loss) if supervised else compute_loss
         optimizer, trainable = task.optimizer, default_trainable(task)
         frozen = getattr(task, "frozen", None)
-        if frozen is not None and not isinstance(frozen, Mapping):
-            frozen = {"frozen": frozen}
         if isinstance(optimizer, Mapping):
             parts = [
                 Part(
@@ -284,47 +271,6 @@ class Objective:
             return LinenModels(self._apply, params, model_state, rngs, self.mutable_collections)
         return LinenModel(self._apply, params, model_state, rngs, self.mutable_collections)
 
-    def frozen_arrays(self) -> Any:
-        r"""The frozen models as arrays, for the devices (`None` without any)."""
-        if self._frozen is None:
-            return None
-        return {
-            name: self._frozen_nnx[name].init(None) if name in self._frozen_nnx else value
-            for name, value in self._frozen.items()
-        }
-
-    def frozen_view(self, arrays: Any) -> dict[str, Any]:
-        r"""The frozen models of `frozen_arrays`, inside the step: NNX modules
-        in evaluation mode, anything else as it was given."""
-        return {
-            name: self._frozen_nnx[name].module(value) if name in self._frozen_nnx else value
-            for name, value in arrays.items()
-        }
-
-    def call_loss(
-        self,
-        part: Part,
-        bound: Any,
-        batch: Batch,
-        rng: jax.Array,
-        step: jax.Array,
-        frozen: Any,
-        carry: Any = None,
-    ) -> Any:
-        r"""What `part.compute_loss` returns for the batch (given `carry=`
-        when the task carries arrays)."""
-        assert part.compute_loss is not None, "a task's own step calls no part's loss"
-        if self.supervised:
-            return part.compute_loss(bound, batch)
-        assert self.batch_tree is not None, "the feed sets the batches' structure"
-        given = self.batch_tree.unflatten(batch)
-        keywords: dict[str, Any] = {"rng": rng, "step": step}
-        if self._passes_frozen:
-            keywords["frozen"] = self.frozen_view(frozen)
-        if self.carries:
-            keywords["carry"] = carry
-        return part.compute_loss(bound.model, given, **keywords)
-
 
 def lora_hint(objective: Objective) -> str | None:
     r"""For an NNX module holding `nnx.LoRAParam`s that every part trains
@@ -346,14 +292,3 @@ def lora_hint(objective: Objective) -> str | None:
         f"{total:,} parameters trains, the base too: pass TrainTask(..., trainable="
         "nnx.LoRAParam) to train the LoRA parameters alone."
     )
-
-
-def supervised_loss(loss: Callable[..., Any]) -> Callable[[Any, Batch], Any]:
-    r"""`loss(*outputs, *targets)` as a step's loss: the model called on the
-    batch's inputs."""
-
-    def compute_loss(bound: Any, batch: Batch) -> Any:
-        inputs, targets = batch
-        return loss(*as_outputs(bound.outputs(*inputs)), *targets)
-
-    return compute_loss

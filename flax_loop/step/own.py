@@ -47,10 +47,11 @@ from jax.sharding import NamedSharding
 
 from flax_loop.errors import ConfigError, LossError
 from flax_loop.random import loss_key, step_keys
-from flax_loop.step.core import Context, Field, Fields, Outcome, Step
+from flax_loop.step.carry import CARRY, pmean_floating, with_carry
+from flax_loop.step.core import Context, Fields, Outcome, Step, chain
+from flax_loop.step.frozen import with_frozen
 from flax_loop.step.model import split_loss
 from flax_loop.step.objective import Objective
-from flax_loop.step.parts import CARRY, _pmean_floating, carry_init
 
 UpdateFn = Callable[..., Any]
 r"""`update(state, batch, *, rng, step) -> (state, metrics)`."""
@@ -224,7 +225,7 @@ def own_step(
             partitions,
             averaged_over,
             step_keys(context.key, number, device_index, objective.rng_labels),
-            {} if context.frozen is None else objective.frozen_view(context.frozen),
+            {} if context.frozen is None else context.frozen,
         )
         zeros = objective.by_part(
             [partition.split(jax.tree.map(jnp.zeros_like, params)) for partition in partitions]
@@ -250,13 +251,16 @@ def own_step(
             new_fields[CARRY] = _averaged(new.carry, averaged_over)
         return new_fields, Outcome(loss, metrics, new.grads, jnp.isfinite(loss))
 
-    return Step(carry_init(carry), step_update, {} if carry is None else {CARRY: Field()})
+    transforms = [] if carry is None else [with_carry(carry)]
+    if objective.frozen is not None:
+        transforms.append(with_frozen(objective.frozen))
+    return chain(Step(dict, step_update), *transforms)
 
 
 def _averaged(tree: Any, axis_name: str | None) -> Any:
     r"""Floating leaves averaged over the devices (they stay one value for
     every replica); integer ones as they are."""
-    return tree if axis_name is None else _pmean_floating(tree, axis_name)
+    return tree if axis_name is None else pmean_floating(tree, axis_name)
 
 
 def _checked(

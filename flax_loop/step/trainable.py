@@ -13,6 +13,11 @@ has no entry for them), and merges an updated part back.
 {'base': None, 'lora': array([0., 0.], dtype=float32)}
 >>> partition.n_trainable(params), partition.n_total(params)
 (2, 5)
+
+As a transform of a step (`train_only`), a partition gives the step it
+wraps the trainable part as its `model_params` (its gradient, its
+optimizer's update and state cover that part only) and `Context.whole` to
+bind the model with all of them; the frozen leaves come back unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 
 from flax_loop.errors import ConfigError
 from flax_loop.parallel import key_names
+from flax_loop.step.core import Context, Fields, Outcome, Step, Transform
 
 Filter = Any
 r"""A filter of parameters; `filter(path, leaf) -> bool` (`path` the keys
@@ -121,6 +127,35 @@ class Partition:
     def n_total(params: Any) -> int:
         r"""The number of scalars of the parameters."""
         return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(params))
+
+
+def train_only(partition_of: Callable[[Any], Partition]) -> Transform:
+    r"""The transform training the parameters `partition_of(params)` selects.
+
+    The step it wraps sees the trainable part as its `model_params` (frozen
+    leaves `None`), and `Context.whole` to complete it for the model; what
+    it returns is merged back, so the frozen parameters stay as they were,
+    bit for bit. `partition_of` is called while tracing (the parameters'
+    shapes are known then).
+    """
+
+    def transform(step: Step) -> Step:
+        def update(fields: Fields, batch: Any, context: Context) -> tuple[Fields, Outcome]:
+            params = fields["model_params"]
+            partition = partition_of(params)
+            outer = context.whole
+
+            def whole(trained: Any) -> Any:
+                merged = partition.merge(params, trained)
+                return merged if outer is None else outer(merged)
+
+            inner = {**fields, "model_params": partition.split(params)}
+            new, outcome = step.update(inner, batch, context._replace(whole=whole))
+            return {**new, "model_params": partition.merge(params, new["model_params"])}, outcome
+
+        return Step(step.init, update, step.fields)
+
+    return transform
 
 
 def union(partitions: Sequence[Partition], params: Any) -> Partition:
