@@ -313,13 +313,14 @@ class BatchFeed:
         reads while the first steps compute; it reads no batch for a step
         after `last_step`."""
         self._reading.last_step = last_step
-        if not self.exhausted:
+        if self._reading.threaded and not self.exhausted:
             self._reading.start(next_step + len(self._ahead))
 
     def pause(self) -> None:
         r"""Stops the reading thread, if any, after its read in progress
         (`ReadAhead.pause`): a later read starts it again."""
-        self._reading.pause()
+        if self._reading.threaded:  # inline, no thread ever runs
+            self._reading.pause()
 
     def state(self, step: int) -> Any:
         r"""The source's state after the last batch trained on, to save with a

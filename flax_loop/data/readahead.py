@@ -74,6 +74,14 @@ class ReadAhead:
         self.give_up = give_up
         r"""asked while waiting for the thread: true once the read in
         progress will not be used (a stop was requested)."""
+        self.read: Callable[[int], Item | None | object] = (
+            batches.item if prefetch == 0 else self._by_policy
+        )
+        r"""`read(for_step)`: the batch for `for_step` with its data state;
+        `None` at the stream's end; `GAVE_UP` if the wait for the thread was
+        given up. Once the policy reads inline without states it is the
+        checked batches' own `item`: a steady inline read calls the source
+        directly."""
 
     def first(self) -> tuple[Item | None, Any]:
         r"""The first batch, read inline (its time counts for the policy), and
@@ -87,9 +95,8 @@ class ReadAhead:
             return None, before
         return (batch, self._source.snapshot() if self._records else None), before
 
-    def read(self, for_step: int) -> Item | None | object:
-        r"""The batch for `for_step` with its data state; `None` at the
-        stream's end; `GAVE_UP` if the wait for the thread was given up."""
+    def _by_policy(self, for_step: int) -> Item | None | object:
+        r"""`read` while the policy probes, or reads on a thread."""
         if self.threaded:
             return self._pull(for_step)
         if self._probe is not None:
@@ -100,9 +107,10 @@ class ReadAhead:
                 # decided: a thread for a slow source, else inline without states
                 self.threaded = statistics.median(self._probe) >= PREFETCH_AFTER_SECONDS
                 self._probe = None
+                if not self.threaded:
+                    self.read = self._batches.item
             return item
-        batch = self._batches.read(for_step)
-        return None if batch is None else (batch, None)
+        return self._batches.item(for_step)
 
     def start(self, for_step: int) -> None:
         r"""Starts the thread at `for_step`, if batches are read on one, so that
@@ -156,6 +164,7 @@ class ReadAhead:
             f"thread ({error}): it is read inline (pass prefetch=0 to say so)."
         )
         self.threaded = False  # inline: the source's own state is exact
+        self.read = self._batches.item
         return item
 
     def _reader(self, for_step: int) -> Prefetcher:

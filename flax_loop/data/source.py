@@ -209,6 +209,12 @@ class CheckedBatches:
             self._leaves = (tree, self.spec.inputs)
         return first
 
+    def item(self, for_step: int) -> tuple[Batch, None] | None:
+        r"""`read`'s batch as a read-ahead item without a data state (read
+        inline, the source's own state is the checkpoint's); `None` at the end."""
+        batch = self.read(for_step)
+        return None if batch is None else (batch, None)
+
     def read(self, for_step: int) -> Batch | None:
         r"""The batch for `for_step`, normalized and validated; `None` at the end.
 

@@ -67,13 +67,13 @@ class Context(NamedTuple):
     r"""the number of updates done before this one (0 at the first), int32."""
 
     frozen: Any = None
-    r"""the frozen models (`TrainTask(frozen=...)`): their arrays as the
-    program takes them, the models themselves inside `with_frozen`; or `None`."""
+    r"""the frozen models of `TrainTask(frozen=...)`, or `None`. Their arrays
+    as the program takes them; the models themselves inside `with_frozen`."""
 
     whole: Callable[[Any], Any] | None = None
-    r"""`whole(params)`: the parameters to bind the model with, from those
-    the step differentiates (`train_only` puts the frozen ones back);
-    `None` for the same."""
+    r"""the parameters to bind the model with, as a function of those the
+    step differentiates (`train_only` puts the frozen ones back), or `None`
+    when they are the same."""
 
 
 class Outcome(NamedTuple):
