@@ -1,13 +1,16 @@
-r"""The end of an interval: its statistics read once, the non-finite check, the `Checkpoint`.
+r"""The end of an interval: its statistics read once, the non-finite check,
+the `Checkpoint`, its rates and where its time went.
 
 The loop runs steps; at each checkpoint `Intervals.close` copies the state
 (the copies outlive the loop's donated buffers), closes the interval on the
 devices (one host transfer of its statistics), raises for non-finite values
-and assembles the `Checkpoint` with the data state of that moment.
+and assembles the `Checkpoint` with the data state of that moment; the
+run's meters (`Throughput`, `TimeBreakdown`, set up and described in
+`flax_loop.run.throughput`) add its rates and its time by part.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -17,7 +20,7 @@ import optax
 
 from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.data.feed import BatchFeed
-from flax_loop.errors import NonFiniteError
+from flax_loop.errors import ConfigError
 from flax_loop.parallel import Placement, to_host
 from flax_loop.step.compiled import CompiledSteps
 from flax_loop.step.state import IntervalResult, IntervalStatistics, TrainState
@@ -177,7 +180,7 @@ class Intervals:
         if n_completed:
             state, result = self._finish(state, loss, n_completed, statistics)
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
-                raise _nonfinite(result, self.start, step)
+                raise result.error(self.start, step)
             grads, loss_value = self._grads, result.loss
             n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
             train_metrics = {
@@ -257,25 +260,6 @@ class Intervals:
         )
 
 
-def _nonfinite(result: IntervalResult, start: int, step: int) -> NonFiniteError:
-    r"""The error of an interval (after `start`, up to `step`) with a
-    non-finite loss or gradient."""
-    if result.first_nonfinite:
-        # each step checks its loss; every gradient is checked at the checkpoint
-        where = (
-            f"the loss was NaN or infinite first at step {result.first_nonfinite} (a "
-            "non-finite gradient of a step whose loss was finite shows in the next "
-            f"step's loss: it may have come at step {max(result.first_nonfinite - 1, 1)})"
-        )
-    else:
-        where = f"a gradient or parameter was NaN or infinite between steps {start + 1} and {step}"
-    return NonFiniteError(
-        f"Training went non-finite: {where}; detected at step {step}. Lower the "
-        "learning rate, check the data for NaN or Inf, or pass nonfinite='skip' to "
-        "TrainLoop to skip such updates."
-    )
-
-
 def hyperparameters(optimizer_state: Any) -> dict[str, float]:
     r"""The scalar hyperparameters of an `optax.inject_hyperparams` optimizer,
     as its last step used them (e.g. a schedule's `learning_rate`)."""
@@ -291,3 +275,122 @@ def hyperparameters(optimizer_state: Any) -> dict[str, float]:
             if np.ndim(value) == 0 and name not in found:
                 found[name] = value
     return {name: float(value) for name, value in to_host(found).items()}
+
+
+class Throughput:
+    r"""A run's rates, from each interval's steps and seconds.
+
+    Args:
+        examples_per_step: the examples of one step over every process.
+        tokens_per_step: its tokens, or `None` when not counted.
+        n_devices: the devices a step runs on.
+        peak_flops: one device's peak FLOP/s, or `None` when unknown.
+        flops_of: the FLOPs of one step on one device from the compiled
+            programs, or `None` (`flax_loop.run.throughput.step_flops`).
+    """
+
+    def __init__(
+        self,
+        examples_per_step: int,
+        tokens_per_step: int | None,
+        n_devices: int,
+        peak_flops: float | None,
+        flops_of: Callable[[Mapping[str, Any]], float | None] = lambda programs: None,
+    ) -> None:
+        self.examples_per_step = examples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.n_devices, self._flops_of = n_devices, flops_of
+        self.peak_flops = peak_flops
+        self.flops_per_step: float | None = None
+        r"""the FLOPs of one step over every device, once read."""
+
+    @property
+    def peak_flops(self) -> float | None:
+        r"""one device's peak FLOP/s, or `None` when unknown."""
+        return self._peak_flops
+
+    @peak_flops.setter
+    def peak_flops(self, value: float | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        ):
+            raise ConfigError(
+                f"peak_flops must be one device's peak FLOP/s, a positive number such as "
+                f"989e12, or None; got {value!r}."
+            )
+        self._peak_flops = value
+
+    def read_flops(self, programs: Mapping[str, Any]) -> None:
+        r"""Reads the step's FLOPs from the compiled programs, once."""
+        if self.flops_per_step is None:
+            per_device = self._flops_of(programs)
+            if per_device is not None:
+                self.flops_per_step = per_device * self.n_devices
+
+    def measure(self, n_steps: int, seconds: float) -> dict[str, float]:
+        r"""The rates of `n_steps` steps that took `seconds`: `examples_per_second`,
+        `tokens_per_second` (when counted), `flops_per_step`,
+        `flops_per_second_per_device` (when XLA counted them) and `mfu` (when
+        the peak is known too); `{}` for an empty interval."""
+        if n_steps <= 0 or seconds <= 0:
+            return {}
+        rates = {"examples_per_second": self.examples_per_step * n_steps / seconds}
+        if self.tokens_per_step is not None:
+            rates["tokens_per_second"] = self.tokens_per_step * n_steps / seconds
+        if self.flops_per_step is not None:
+            per_device = self.flops_per_step * n_steps / seconds / self.n_devices
+            rates["flops_per_step"] = self.flops_per_step
+            rates["flops_per_second_per_device"] = per_device
+            if self.peak_flops:
+                rates["mfu"] = per_device / self.peak_flops
+        return rates
+
+
+class TimeBreakdown:
+    r"""The run's time by part: set-up, then each interval's added.
+
+    Args:
+        setup: seconds the loop's set-up took (initialization, restoring,
+            compiling the first step).
+        compile: those of them spent compiling.
+        handed_out: when the caller's code started running (the end of
+            set-up; `time.perf_counter()`, now by default).
+    """
+
+    def __init__(
+        self, setup: float = 0.0, compile: float = 0.0, handed_out: float | None = None
+    ) -> None:
+        self._handed_out = time.perf_counter() if handed_out is None else handed_out
+        self._totals = {"setup": max(setup - compile, 0.0), "compile": compile}
+        self._totals.update({"data": 0.0, "device": 0.0, "caller": 0.0, "wall": setup})
+
+    def close(
+        self, started: float, ended: float, data: float, device: float, compiled: float
+    ) -> dict[str, float]:
+        r"""Adds an interval and returns its seconds by part.
+
+        Args:
+            started: when the loop was asked for the interval (the caller's
+                code ran from the previous checkpoint until then).
+            ended: when its checkpoint was ready (handed out to the caller).
+            data: seconds the loop waited for batches.
+            device: seconds it dispatched steps and waited for the devices,
+                `compiled` included.
+            compiled: seconds it compiled, or waited for a compilation.
+        """
+        interval = {
+            "compile": compiled,
+            "data": data,
+            "device": max(device - compiled, 0.0),
+            "caller": started - self._handed_out,
+            "wall": ended - self._handed_out,
+        }
+        self._handed_out = ended
+        for part, value in interval.items():
+            self._totals[part] += value
+        return interval
+
+    def totals(self) -> dict[str, float]:
+        r"""The run's seconds so far: `setup` (without its compiling), the
+        parts (`flax_loop.run.throughput.PARTS`) and `wall`."""
+        return dict(self._totals)

@@ -1,16 +1,18 @@
-r"""A run's throughput and where its time goes.
+r"""A run's throughput and where its time goes: the meters set up, and described.
 
 Throughput: examples, tokens and FLOPs a second, and the fraction of the
-devices' peak (MFU) a run reaches.
+devices' peak (MFU) a run reaches. The meters (`Throughput`,
+`TimeBreakdown`) live where each interval closes (`flax_loop.run.interval`);
+`meter` sets one up from the run's first batch and devices.
 
 The step's FLOPs are XLA's count for the compiled step (its cost analysis,
 read once); examples and tokens are counted on the host from the first
 batch's shapes. Nothing here waits for the devices.
 
->>> meter = Throughput(examples_per_step=32, tokens_per_step=None, n_devices=2,
-...                    peak_flops=1e9)
->>> meter.flops_per_step = 4e8
->>> rates = meter.measure(n_steps=10, seconds=2.0)
+>>> rates_of = Throughput(examples_per_step=32, tokens_per_step=None, n_devices=2,
+...                       peak_flops=1e9)
+>>> rates_of.flops_per_step = 4e8
+>>> rates = rates_of.measure(n_steps=10, seconds=2.0)
 >>> rates["examples_per_second"], rates["flops_per_second_per_device"], rates["mfu"]
 (160.0, 1000000000.0, 1.0)
 
@@ -43,7 +45,6 @@ by queued steps while the thread waits for a slow batch shows that wait as
 (6.0, 0.5)
 """
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,6 +55,7 @@ from flax_loop.data.batch import BatchTree
 from flax_loop.data.feed import BatchFeed
 from flax_loop.errors import ConfigError
 from flax_loop.parallel import Placement
+from flax_loop.run.interval import Throughput, TimeBreakdown
 
 PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
@@ -73,6 +75,9 @@ PEAK_FLOPS = (
 r"""Dense bfloat16 peak FLOP/s of one device, by a part of its
 `device_kind` (the first that matches): the vendors' published figures.
 Set `loop.peak_flops` for a device not listed."""
+
+PARTS = ("compile", "data", "device", "caller")
+r"""The parts an interval's wall time is made of (`TimeBreakdown`)."""
 
 TokenCount = Callable[[Any], int]
 r"""`tokens(batch) -> int`; the tokens of one batch, from its shapes."""
@@ -134,132 +139,6 @@ def tokens_per_batch(tokens: TokenCount | None, batch: Any, first_input: Any) ->
     return int(count)
 
 
-class Throughput:
-    r"""A run's rates, from each interval's steps and seconds.
-
-    Args:
-        examples_per_step: the examples of one step over every process.
-        tokens_per_step: its tokens, or `None` when not counted.
-        n_devices: the devices a step runs on.
-        peak_flops: one device's peak FLOP/s, or `None` when unknown.
-    """
-
-    def __init__(
-        self,
-        examples_per_step: int,
-        tokens_per_step: int | None,
-        n_devices: int,
-        peak_flops: float | None,
-    ) -> None:
-        self.examples_per_step = examples_per_step
-        self.tokens_per_step = tokens_per_step
-        self.n_devices = n_devices
-        self.peak_flops = peak_flops
-        self.flops_per_step: float | None = None
-        r"""the FLOPs of one step over every device, once read."""
-
-    @property
-    def peak_flops(self) -> float | None:
-        r"""one device's peak FLOP/s, or `None` when unknown."""
-        return self._peak_flops
-
-    @peak_flops.setter
-    def peak_flops(self, value: float | None) -> None:
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-        ):
-            raise ConfigError(
-                f"peak_flops must be one device's peak FLOP/s, a positive number such as "
-                f"989e12, or None; got {value!r}."
-            )
-        self._peak_flops = value
-
-    def read_flops(self, programs: Mapping[str, Any]) -> None:
-        r"""Reads the step's FLOPs from the compiled programs, once."""
-        if self.flops_per_step is None:
-            per_device = step_flops(programs)
-            if per_device is not None:
-                self.flops_per_step = per_device * self.n_devices
-
-    def measure(self, n_steps: int, seconds: float) -> dict[str, float]:
-        r"""The rates of `n_steps` steps that took `seconds`: `examples_per_second`,
-        `tokens_per_second` (when counted), `flops_per_step`,
-        `flops_per_second_per_device` (when XLA counted them) and `mfu` (when
-        the peak is known too); `{}` for an empty interval."""
-        if n_steps <= 0 or seconds <= 0:
-            return {}
-        rates = {"examples_per_second": self.examples_per_step * n_steps / seconds}
-        if self.tokens_per_step is not None:
-            rates["tokens_per_second"] = self.tokens_per_step * n_steps / seconds
-        if self.flops_per_step is not None:
-            per_device = self.flops_per_step * n_steps / seconds / self.n_devices
-            rates["flops_per_step"] = self.flops_per_step
-            rates["flops_per_second_per_device"] = per_device
-            if self.peak_flops:
-                rates["mfu"] = per_device / self.peak_flops
-        return rates
-
-
-PARTS = ("compile", "data", "device", "caller")
-r"""The parts an interval's wall time is made of."""
-
-
-class TimeBreakdown:
-    r"""The run's time by part: set-up, then each interval's added.
-
-    Args:
-        setup: seconds the loop's set-up took (initialization, restoring,
-            compiling the first step).
-        compile: those of them spent compiling.
-        handed_out: when the caller's code started running (the end of
-            set-up; `time.perf_counter()`, now by default).
-    """
-
-    def __init__(
-        self, setup: float = 0.0, compile: float = 0.0, handed_out: float | None = None
-    ) -> None:
-        self._handed_out = time.perf_counter() if handed_out is None else handed_out
-        self._totals = {
-            "setup": max(setup - compile, 0.0),
-            "compile": compile,
-            "data": 0.0,
-            "device": 0.0,
-            "caller": 0.0,
-            "wall": setup,
-        }
-
-    def close(
-        self, started: float, ended: float, data: float, device: float, compiled: float
-    ) -> dict[str, float]:
-        r"""Adds an interval and returns its seconds by part.
-
-        Args:
-            started: when the loop was asked for the interval (the caller's
-                code ran from the previous checkpoint until then).
-            ended: when its checkpoint was ready (handed out to the caller).
-            data: seconds the loop waited for batches.
-            device: seconds it dispatched steps and waited for the devices,
-                `compiled` included.
-            compiled: seconds it compiled, or waited for a compilation.
-        """
-        interval = {
-            "compile": compiled,
-            "data": data,
-            "device": max(device - compiled, 0.0),
-            "caller": started - self._handed_out,
-            "wall": ended - self._handed_out,
-        }
-        self._handed_out = ended
-        for part, value in interval.items():
-            self._totals[part] += value
-        return interval
-
-    def totals(self) -> dict[str, float]:
-        r"""The run's seconds so far: `setup` (without its compiling), the
-        `PARTS` and `wall`."""
-        return dict(self._totals)
-
-
 def done_line(trained: int, step: int, totals: dict[str, Any]) -> str:
     r"""The closing line of a run trained to its last step (`step`): the
     steps this process trained and where the time went.
@@ -315,4 +194,19 @@ def meter(
         tokens_per_step=None if counted is None else counted * processes,
         n_devices=placement.n_devices,
         peak_flops=device_peak(placement.devices[0]),
+        flops_of=step_flops,
     )
+
+
+__all__ = [
+    "PARTS",
+    "PEAK_FLOPS",
+    "Throughput",
+    "TimeBreakdown",
+    "describe",
+    "device_peak",
+    "done_line",
+    "meter",
+    "step_flops",
+    "tokens_per_batch",
+]

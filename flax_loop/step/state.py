@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_loop.checkpoint import Saved
+from flax_loop.errors import NonFiniteError
 from flax_loop.step.nonfinite import all_finite
 
 
@@ -119,6 +120,26 @@ class IntervalResult(NamedTuple):
 
     metrics: dict[str, float]
     r"""the means of the loss function's extra metrics over the finite steps."""
+
+    def error(self, start: int, step: int) -> NonFiniteError:
+        r"""The error of this interval (after `start`, up to `step`) with a
+        non-finite loss or gradient."""
+        if self.first_nonfinite:
+            # each step checks its loss; every gradient is checked at the checkpoint
+            where = (
+                f"the loss was NaN or infinite first at step {self.first_nonfinite} (a "
+                "non-finite gradient of a step whose loss was finite shows in the next "
+                f"step's loss: it may have come at step {max(self.first_nonfinite - 1, 1)})"
+            )
+        else:
+            where = (
+                f"a gradient or parameter was NaN or infinite between steps {start + 1} and {step}"
+            )
+        return NonFiniteError(
+            f"Training went non-finite: {where}; detected at step {step}. Lower the "
+            "learning rate, check the data for NaN or Inf, or pass nonfinite='skip' to "
+            "TrainLoop to skip such updates."
+        )
 
 
 def close_interval(state: TrainState, grads: Any) -> tuple[TrainState, IntervalStatistics]:
