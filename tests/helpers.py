@@ -176,6 +176,64 @@ def train(n_steps: int, every: int, model: Any = None, **options: Any) -> list:
     return list(digits_loop(model, n_steps=n_steps, n_steps_per_checkpoint=every, **options))
 
 
+_HAND_STEPS: dict[Any, Any] = {}
+
+
+def hand_trained(n_steps: int, every: int, model: Any = None, learning_rate: float = 1e-2) -> list:
+    """Checkpoints such as `train(n_steps, every)` yields, made without a
+    `TrainLoop`: an MLP (key 0) trained on digits by a hand-written
+    `jax.jit` Adam step, each checkpoint a `Checkpoint` record with its
+    statistics (the mean loss, the losses, the last gradients, the key).
+    Writers, readers, evaluation and the tools take these as they take the
+    loop's: tests of those rooms build no loop."""
+    import jax
+    import numpy as np
+
+    from flax_loop import Checkpoint
+
+    x, y, _, _ = digits_split()
+    model = model or MLP()
+    optimizer = optax.adam(learning_rate)
+    key = (model, learning_rate)
+    if key not in _HAND_STEPS:
+
+        def step(params, state, inputs, labels):
+            def loss_of(params):
+                return cross_entropy(model.apply({"params": params}, inputs), labels)
+
+            loss, grads = jax.value_and_grad(loss_of)(params)
+            updates, state = optimizer.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss, grads
+
+        _HAND_STEPS[key] = jax.jit(step)
+    update = _HAND_STEPS[key]
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    state, stream, checkpoints, losses = optimizer.init(params), batches(x, y, 32), [], []
+    for step in range(1, n_steps + 1):
+        params, state, loss, grads = update(params, state, *next(stream))
+        losses.append(loss)
+        if step % every == 0 or step == n_steps:
+            values = np.asarray(jax.device_get(losses), np.float32)
+            checkpoints.append(
+                Checkpoint(
+                    params,
+                    {},
+                    state,
+                    grads,
+                    loss,
+                    n_completed_steps=len(values),
+                    elapsed_time=0.001 * len(values),
+                    step=step,
+                    mean_loss=float(values.mean()),
+                    train_metrics={"loss": float(values.mean())},
+                    losses=values,
+                    rnkey=jax.random.key(0),
+                )
+            )
+            losses = []
+    return checkpoints
+
+
 def file_names(directory: Any) -> list[str]:
     """The sorted names in a directory, but writers' lock files (`.lock.*`)."""
     import os

@@ -13,12 +13,12 @@ from flax_loop import CheckpointFileReader, CheckpointFileWriter
 from flax_loop.checkpoint import format
 from flax_loop.errors import CheckpointError
 from tests.flags import xla_flags
-from tests.helpers import ROOT, directory_bytes, file_names, train
+from tests.helpers import ROOT, directory_bytes, file_names, hand_trained
 
 
 @pytest.fixture(scope="module")
 def checkpoints():
-    return train(20, 5)
+    return hand_trained(20, 5)
 
 
 def test_background_files_equal_foreground_files(tmp_path, checkpoints):

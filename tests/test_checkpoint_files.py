@@ -1,4 +1,7 @@
-"""Checkpoint files: format, atomicity, damage, keep-N, best metrics, resume."""
+"""Checkpoint files: format, atomicity, damage, keep-N, best metrics, resume.
+
+The writers and readers are tested on checkpoints of a hand-written loop
+(`hand_trained`); resuming a `TrainLoop` from them needs the loop."""
 
 import os
 
@@ -33,6 +36,7 @@ from tests.helpers import (
     digits_split,
     directory_bytes,
     file_names,
+    hand_trained,
     resume_worker,
     run,
     slow,
@@ -67,9 +71,8 @@ def initializer_of(checkpoint):
 
 
 def test_round_trip_and_keep_two(tmp_path):
-    loop = make_loop(n_steps=20)
     writer = CheckpointFileWriter(output_dir=str(tmp_path), keep=2)
-    checkpoints = [writer(c) for c in loop]
+    checkpoints = [writer(c) for c in hand_trained(20, 5)]
     assert [c.step for c in checkpoints] == [5, 10, 15, 20]
     assert files(tmp_path) == ["regular.15.ckpt", "regular.20.ckpt"]
     last = checkpoints[-1]
@@ -82,7 +85,7 @@ def test_round_trip_and_keep_two(tmp_path):
 
 
 def test_writer_returns_its_input_and_summary_metrics_are_stored(tmp_path):
-    checkpoint = make_loop(n_steps=5).next_checkpoint()
+    (checkpoint,) = hand_trained(5, 5)
     summary = Summary(metrics={"eval": {"accuracy": 0.5}}, **vars(checkpoint))
     writer = CheckpointFileWriter(output_dir=str(tmp_path))
     assert writer(summary) is summary
@@ -92,10 +95,8 @@ def test_writer_returns_its_input_and_summary_metrics_are_stored(tmp_path):
 
 
 def _three_files(tmp_path):
-    loop = make_loop(n_steps=15)
     writer = CheckpointFileWriter(output_dir=str(tmp_path), keep=3)
-    checkpoints = [writer(c) for c in loop]
-    return loop, checkpoints
+    return [writer(c) for c in hand_trained(15, 5)]
 
 
 def _truncate(path):
@@ -129,7 +130,7 @@ def _garbage_header(path):
     ids=["truncated", "flipped-byte", "garbage-header"],
 )
 def test_damaged_newest_file_falls_back_to_previous(tmp_path, damage, reason, capsys):
-    loop, checkpoints = _three_files(tmp_path)
+    checkpoints = _three_files(tmp_path)
     damage(str(tmp_path / "regular.15.ckpt"))
     restored = CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
     assert restored.step == 10
@@ -139,18 +140,18 @@ def test_damaged_newest_file_falls_back_to_previous(tmp_path, damage, reason, ca
 
 
 def test_every_file_damaged_raises_and_deletes_nothing(tmp_path):
-    loop, checkpoints = _three_files(tmp_path)
+    checkpoints = _three_files(tmp_path)
     for name in files(tmp_path):
         _flip_array_byte(str(tmp_path / name))
     before = {name: open(tmp_path / name, "rb").read() for name in files(tmp_path)}
     with pytest.raises(CheckpointCorruptError, match="Every checkpoint file"):
-        make_loop(init=CheckpointFileReader(dir=str(tmp_path), target=MLP().init), n_steps=20)
+        CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
     after = {name: open(tmp_path / name, "rb").read() for name in files(tmp_path)}
     assert before == after
 
 
 def test_leftover_temporary_file_is_ignored_then_cleaned(tmp_path):
-    loop, checkpoints = _three_files(tmp_path)
+    checkpoints = _three_files(tmp_path)
     leftover = tmp_path / ".tmp.regular.20.ckpt.0badc0de"
     leftover.write_bytes(b"half a checkpoint")
     restored = CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(checkpoints[-1]))
@@ -161,7 +162,7 @@ def test_leftover_temporary_file_is_ignored_then_cleaned(tmp_path):
 
 
 def test_newer_format_version_is_a_clear_error(tmp_path):
-    loop, checkpoints = _three_files(tmp_path)
+    checkpoints = _three_files(tmp_path)
     path = tmp_path / "regular.15.ckpt"
     with open(path, "r+b") as stream:
         stream.seek(8)
@@ -172,9 +173,9 @@ def test_newer_format_version_is_a_clear_error(tmp_path):
 
 def test_checkpoint_of_another_model_lists_the_differences(tmp_path):
     _three_files(tmp_path)
-    reader = CheckpointFileReader(dir=str(tmp_path), target=MLP(features=(32,)).init)
+    (other,) = hand_trained(1, 1, model=MLP(features=(32,)))
     with pytest.raises(CheckpointMismatchError) as error:
-        make_loop(init=reader, features=(32,), n_steps=20)
+        CheckpointFileReader(dir=str(tmp_path), target=None)(initializer_of(other))
     message = str(error.value)
     assert "/model_params/Dense_0/kernel: model float32[64, 32], file float32[64, 64]" in message
     assert "regular.15.ckpt" in message
@@ -195,7 +196,7 @@ def test_four_device_file_resumes_on_one_device(tmp_path):
 
 
 def test_a_fresh_run_never_deletes_a_longer_runs_files_unless_asked(tmp_path):
-    loop, checkpoints = _three_files(tmp_path)
+    checkpoints = _three_files(tmp_path)
     before = directory_bytes(tmp_path)
     for overwrite in (None, False):  # the default, and the strict mode
         with pytest.raises(CheckpointError) as error:
@@ -209,7 +210,7 @@ def test_a_fresh_run_never_deletes_a_longer_runs_files_unless_asked(tmp_path):
 
 
 def test_the_same_step_is_replaced_by_default_but_not_with_overwrite_false(tmp_path):
-    loop, checkpoints = _three_files(tmp_path)
+    checkpoints = _three_files(tmp_path)
     with pytest.raises(CheckpointError, match="regular.15.ckpt of step 15"):
         CheckpointFileWriter(output_dir=str(tmp_path), keep=3, overwrite=False)(checkpoints[-1])
     CheckpointFileWriter(output_dir=str(tmp_path), keep=3)(checkpoints[-1])
@@ -221,8 +222,7 @@ def _summary(checkpoint, **eval_metrics):
 
 
 def test_best_metric_writers_keep_the_right_file_across_a_restart(tmp_path):
-    loop = make_loop(n_steps=25)
-    checkpoints = list(loop)
+    checkpoints = hand_trained(25, 5)
     accuracies = [0.5, 0.7, 0.6, 0.0, 0.65]
     losses = [0.9, 0.0, 0.3, 0.5, 0.2]  # a best of 0.0 is a value
     directory = str(tmp_path)
@@ -264,7 +264,7 @@ def test_best_metric_writers_keep_the_right_file_across_a_restart(tmp_path):
 
 
 def test_best_writer_names_a_missing_metric(tmp_path):
-    checkpoint = make_loop(n_steps=5).next_checkpoint()
+    (checkpoint,) = hand_trained(5, 5)
     writer = HighestCheckpointFileWriter(output_dir=str(tmp_path), metric="acc", stdout=False)
     with pytest.raises(MetricError, match=r"eval/acc .*\['accuracy'\]"):
         writer(_summary(checkpoint, accuracy=1.0))

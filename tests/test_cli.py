@@ -13,13 +13,12 @@ from rich.console import Console
 from flax_loop import CheckpointFileWriter, HighestCheckpointFileWriter, OrbaxCheckpointWriter
 from flax_loop.checkpoint import Summary, list_checkpoints
 from flax_loop.output.cli import main
-from tests.helpers import ROOT, digits_loop
+from tests.helpers import ROOT, hand_trained
 
 
 @pytest.fixture(scope="module")
 def checkpoints():
-    loop = digits_loop(n_steps=6, n_steps_per_checkpoint=2, n_devices=1)
-    return list(loop)
+    return hand_trained(6, 2)
 
 
 def flip_a_byte(path, offset=200):

@@ -35,6 +35,7 @@ from tests.helpers import (
     cross_entropy,
     digits_split,
     file_names,
+    hand_trained,
     train,
 )
 
@@ -44,7 +45,7 @@ MODEL = MLP()
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    (checkpoint,) = train(40, 40, model=MODEL)
+    (checkpoint,) = hand_trained(40, 40, model=MODEL)
     return checkpoint
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from flax_loop import EvalLoop, EvalTask, MLflowWriter
 from flax_loop.errors import ConfigError
-from tests.helpers import MLP, accuracy, digits_loop, digits_split
+from tests.helpers import MLP, accuracy, digits_loop, digits_split, hand_trained
 
 # Found, not imported: collecting the suite does not pay for importing MLflow.
 pytestmark = pytest.mark.skipif(
@@ -56,7 +56,7 @@ def test_a_bad_experiment_is_a_config_error():
 
 
 def test_stores_this_install_cannot_write_to_are_config_errors(tmp_path, monkeypatch):
-    checkpoint = digits_loop(n_steps=2, n_devices=1).next_checkpoint()
+    (checkpoint,) = hand_trained(2, 2)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # a fresh shell
     writer = MLflowWriter(f"file://{tmp_path}/mlruns", experiment="digits")
     with pytest.raises(ConfigError, match="only with the environment variable MLFLOW_ALLOW_FILE"):
@@ -82,7 +82,7 @@ def test_a_store_that_never_answers_costs_a_write_at_most_its_timeout(monkeypatc
     silent.listen(8)  # accepts connections, never answers
     try:
         writer = MLflowWriter(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=1.0)
-        checkpoint = digits_loop(n_steps=1, n_devices=1).next_checkpoint()
+        (checkpoint,) = hand_trained(1, 1)
         started = time.perf_counter()
         assert writer(checkpoint) is checkpoint
         again = time.perf_counter()
@@ -101,7 +101,7 @@ def test_metrics_the_store_refused_are_sent_with_the_next_write(tmp_path, capsys
 
     from flax_loop import Summary
 
-    loop = digits_loop(n_steps=3, n_devices=1)
+    loop = hand_trained(3, 1)
     writer = MLflowWriter(f"file://{tmp_path}/mlruns")
     client = writer.client()
     real = client.log_batch

@@ -25,6 +25,7 @@ from tests.helpers import (
     digits_loop,
     digits_split,
     file_names,
+    hand_trained,
     relative_difference,
 )
 
@@ -95,8 +96,7 @@ def test_a_second_sigint_interrupts_at_once(capfd):
 
 
 def test_a_new_background_writer_per_checkpoint_loses_nothing(tmp_path):
-    loop = digits_loop(n_steps=60, n_steps_per_checkpoint=5)
-    for checkpoint in loop:
+    for checkpoint in hand_trained(60, 5):
         CheckpointFileWriter(output_dir=str(tmp_path), keep=12, background=True)(checkpoint)
     # Each writer lets go of the directory once its write is done: taking it
     # waits for the last one.
@@ -108,7 +108,7 @@ def test_a_new_background_writer_per_checkpoint_loses_nothing(tmp_path):
 
 def test_a_second_writer_of_the_same_files_is_refused_naming_the_holder(tmp_path, monkeypatch):
     monkeypatch.setattr(lock, "WAIT_SECONDS", 0.2)
-    checkpoint = digits_loop(n_steps=2).next_checkpoint()
+    (checkpoint,) = hand_trained(2, 2)
     first = CheckpointFileWriter(output_dir=str(tmp_path))
     first(checkpoint)
     with pytest.raises(CheckpointError, match=f"process id {os.getpid()}"):
