@@ -3,8 +3,6 @@ as flax-extra's programs use both), and `stdout` on every writer."""
 
 import os
 
-import jax
-import optax
 import pytest
 
 from flax_loop import (
@@ -14,12 +12,10 @@ from flax_loop import (
     HighestCheckpointFileWriter,
     OrbaxCheckpointReader,
     OrbaxCheckpointWriter,
-    TrainLoop,
-    TrainTask,
     set_console,
 )
 from flax_loop.errors import ConfigError
-from tests.helpers import MLP, batches, cross_entropy, digits_split
+from tests.helpers import MLP, digits_split, hand_trained
 
 X, Y, _, _ = digits_split()
 
@@ -55,21 +51,7 @@ def test_a_writer_says_what_it_removes_unless_stdout_is_off(tmp_path):
     from rich.console import Console
 
     model = MLP(features=(8,))
-
-    def checkpoints(n_steps):
-        return list(
-            TrainLoop(
-                init=model.init,
-                task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X, Y, 32)),
-                rnkey=jax.random.key(0),
-                n_steps=n_steps,
-                n_steps_per_checkpoint=2,
-                devices=jax.devices()[:1],
-                stdout=False,
-            )
-        )
-
-    longer, shorter = checkpoints(4), checkpoints(2)
+    longer, shorter = hand_trained(4, 2, model), hand_trained(2, 2, model)
     for stdout in (True, False):
         directory = str(tmp_path / str(stdout))
         with CheckpointFileWriter(output_dir=directory, keep=3) as write:
@@ -95,15 +77,7 @@ def test_the_tensorboard_writer_says_once_how_to_see_its_events_unless_stdout_is
     from flax_loop import SummaryWriter
 
     pytest.importorskip("tensorboardX")
-    model = MLP(features=(8,))
-    summary = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X, Y, 32)),
-        rnkey=jax.random.key(0),
-        n_steps=1,
-        devices=jax.devices()[:1],
-        stdout=False,
-    ).next_checkpoint()
+    (summary,) = hand_trained(1, 1, MLP(features=(8,)))
     for stdout in (True, False):
         out = io.StringIO()
         set_console(Console(file=out, width=200))
@@ -124,17 +98,7 @@ def test_a_json_lines_writer_says_when_it_appends_to_an_earlier_run(tmp_path):
 
     from flax_loop import JsonLinesWriter
 
-    model = MLP(features=(8,))
-    checkpoints = list(
-        TrainLoop(
-            init=model.init,
-            task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches(X, Y, 32)),
-            rnkey=jax.random.key(0),
-            n_steps=2,
-            devices=jax.devices()[:1],
-            stdout=False,
-        )
-    )
+    checkpoints = hand_trained(2, 1, MLP(features=(8,)))
     path = str(tmp_path / "metrics.jsonl")
     said = []
     for stdout in (True, True, False):

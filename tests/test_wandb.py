@@ -8,12 +8,11 @@ import json
 import os
 
 import jax
-import optax
 import pytest
 
-from flax_loop import EvalLoop, EvalTask, TrainLoop, TrainTask, WandbWriter
+from flax_loop import EvalLoop, EvalTask, WandbWriter
 from flax_loop.errors import ConfigError
-from tests.helpers import MLP, accuracy, cross_entropy, digits_split
+from tests.helpers import MLP, accuracy, digits_split, hand_trained
 
 wandb_proto = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -47,18 +46,9 @@ def name(item):
 def test_a_run_holds_the_config_and_the_metrics_at_their_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    x, y, x_test, y_test = digits_split()
+    _, _, x_test, y_test = digits_split()
     model = MLP()
-    data = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 320, 32)]
-    loop = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, data),
-        rnkey=jax.random.key(0),
-        n_steps=20,
-        n_steps_per_checkpoint=10,
-        devices=jax.devices()[:1],
-        stdout=False,
-    )
+    loop = hand_trained(20, 10, model)
     evaluate = EvalLoop(
         EvalTask(model.apply, {"accuracy": accuracy}, [(x_test, y_test)]),
         rnkey=jax.random.key(1),
