@@ -12,10 +12,8 @@ import struct
 import tracemalloc
 import zlib
 
-import jax
 import msgpack
 import numpy as np
-import optax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,13 +23,11 @@ from flax_loop import (
     CheckpointFile,
     CheckpointFileReader,
     CheckpointFileWriter,
-    TrainLoop,
-    TrainTask,
     set_console,
 )
 from flax_loop.checkpoint import format, parse
 from flax_loop.errors import CheckpointError
-from tests.helpers import MLP, SLOW, batches, cross_entropy, digits_split
+from tests.helpers import MLP, SLOW, hand_trained
 
 SCALE = 1 if SLOW else 4
 
@@ -50,18 +46,8 @@ def fuzz(max_examples):
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory):
     """A valid checkpoint file (bytes) and the initializer it restores into."""
-    x, y, _, _ = digits_split()
-    model = MLP(features=(8,))
-    loop = TrainLoop(
-        init=model.init,
-        task=TrainTask(model.apply, optax.adam(1e-2), cross_entropy, batches(x, y, 32)),
-        rnkey=jax.random.key(0),
-        n_steps=2,
-        n_steps_per_checkpoint=2,
-        stdout=False,
-    )
     directory = tmp_path_factory.mktemp("valid")
-    (checkpoint,) = list(loop)
+    (checkpoint,) = hand_trained(2, 2, MLP(features=(8,)))
     CheckpointFileWriter(output_dir=str(directory))(checkpoint)
     data = (directory / "regular.2.ckpt").read_bytes()
     initializer = CheckpointFile(
