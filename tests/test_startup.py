@@ -117,7 +117,7 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
 
     import flax_loop.step.variants
     from flax_loop.random import init_key
-    from flax_loop.run.initial import _initialize, initial_state
+    from flax_loop.run.initial import initial_state, initialize_model
     from flax_loop.step.variants import run_once_options
 
     class Net(nn.Module):
@@ -141,7 +141,7 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
     start = initial_state(Net().init, optimizer, key, (x,), labels, mutable_collections=True)
 
     def reference(key, x):
-        params, model_state = _initialize(Net().init, init_key(key), (x,), labels, True)
+        params, model_state = initialize_model(Net().init, init_key(key), (x,), labels, True)
         return params, model_state, optimizer.init(params)
 
     defaults = {"xla_backend_optimization_level": 3}

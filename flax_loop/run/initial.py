@@ -133,7 +133,7 @@ def initial_state(
 
     def start(rnkey: jax.Array, *inputs: Any) -> tuple[Any, Any, Any]:
         key = init_key(rnkey)  # derived in the program: no key op compiled apart
-        params, model_state = _initialize(init, key, inputs, init_labels, mutable_collections)
+        params, model_state = initialize_model(init, key, inputs, init_labels, mutable_collections)
         return params, model_state, _init_optimizer(optimizer, params)
 
     core = _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels)
@@ -332,7 +332,7 @@ def _variables(
     return unfreeze(variables)  # type: ignore[arg-type]
 
 
-def _initialize(
+def initialize_model(
     init: InitFn,
     key: jax.Array,
     inputs: tuple[Any, ...],
