@@ -81,6 +81,24 @@ def test_a_run_holds_the_config_and_the_metrics_at_their_steps(tmp_path, monkeyp
     assert summary["step"] == 20
 
 
+def test_a_run_without_dir_goes_under_the_current_directory(tmp_path, monkeypatch):
+    # W&B itself keeps the folder of the first run in the process: a later
+    # run without `dir` went there (the suite's guides left runs in the
+    # project's folder).
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (checkpoint,) = hand_trained(1, 1)
+    first, later = tmp_path / "first", tmp_path / "later"
+    first.mkdir(), later.mkdir()
+    with WandbWriter(project="digits", dir=str(first), stdout=False) as write:
+        write(checkpoint)
+    monkeypatch.chdir(later)
+    with WandbWriter(project="digits", stdout=False) as write:
+        write(checkpoint)
+    assert len(glob.glob(str(first / "wandb" / "offline-run-*"))) == 1
+    assert len(glob.glob(str(later / "wandb" / "offline-run-*"))) == 1
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ConfigError, match="config must be a dict"):
         WandbWriter(config=[("learning_rate", 1e-2)])

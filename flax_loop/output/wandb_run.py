@@ -26,6 +26,7 @@ with `WANDB_MODE=offline` (`wandb sync` uploads it later).
 """
 
 import math
+import os
 from typing import Any
 
 from flax_loop.checkpoint import Checkpoint, as_summary, expect
@@ -57,7 +58,10 @@ class WandbWriter:
         project: the W&B project (W&B's default, `WANDB_PROJECT`, when `None`).
         name: the run's name (W&B picks one by default).
         config: hyperparameters to record with the run.
-        dir: the folder W&B writes its files under (`./wandb` by default).
+        dir: the folder W&B writes its files under; by default the current
+            directory when the run starts (its `./wandb`). W&B's own default is
+            the folder of its first run in the process, wherever the program
+            has moved since.
         stdout: whether W&B prints its own lines (the run's address, its
             closing table).
         init: any other keyword of `wandb.init` (`entity`, `tags`, `group`,
@@ -98,7 +102,7 @@ class WandbWriter:
             project=self.project,
             name=self.name,
             config=self.config,
-            dir=self.dir,
+            dir=os.getcwd() if self.dir is None else self.dir,
             settings=settings,
             reinit="create_new",  # a second writer in one process: a run of its own
             **self.init,
