@@ -94,7 +94,8 @@ class TrainLoop:
         n_steps_per_checkpoint: steps between checkpoints.
         n_steps: the total number of steps to train, counted from step 0.
         collections: RNG collection names; keys for "apply" are derived on
-            the devices from `rnkey`, the step and the device index.
+            the devices from `rnkey` and the step: the same keys on any
+            number of devices.
         mutable_collections: the collections the model may change while
             training (e.g. `batch_stats`).
         devices: the devices to train on; all of them by default.
@@ -199,7 +200,9 @@ class TrainLoop:
             self.profile = options.profile  # the window of steps traced (`traced_steps`)
             self._iterator: Iterator[Checkpoint] | None = None
             optimizer = getattr(task, "optimizer", None)
-            self._optimizer_names = list(optimizer) if isinstance(optimizer, Mapping) else [None]
+            self._optimizers: dict[str | None, Any] = (
+                dict(optimizer) if isinstance(optimizer, Mapping) else {None: optimizer}
+            )
             self._runner = assemble(
                 init,
                 task,
@@ -318,9 +321,11 @@ class TrainLoop:
 
         Raises:
             ConfigError: for an optimizer without injected hyperparameters, a
-                hyperparameter it does not have, or an unknown `name`.
+                hyperparameter it does not have or that a schedule sets at
+                every step (`learning_rate=optax.linear_schedule(...)`), or
+                an unknown `name`.
         """
-        self._runner.update_state(hyperparams_changer(self._optimizer_names, name, values))
+        self._runner.update_state(hyperparams_changer(self._optimizers, name, values))
 
     def next_checkpoint(self) -> Checkpoint:
         r"""Runs to the next checkpoint and returns it.

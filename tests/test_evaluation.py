@@ -370,6 +370,38 @@ def test_json_lines_writer_appends_one_record_per_summary(checkpoint, tmp_path):
     assert list(frame["step"]) == [checkpoint.step] * 3
 
 
+@pytest.mark.parametrize(
+    "earlier",
+    [b'{"step": 1}\n{"step": 2, "tra', b'{"step": 1}\n\xff\xfe\xc3'],
+    ids=["cut", "bytes"],
+)
+def test_json_lines_after_a_cut_or_undecodable_line_start_a_line_of_their_own(
+    checkpoint, tmp_path, earlier
+):
+    """An earlier writer's last line cut mid-record (no newline), or bytes
+    that are no UTF-8: the next record is a whole line of its own, the lines
+    before it are kept byte for byte, and the first write says so."""
+    import json
+
+    from flax_loop import JsonLinesWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(earlier)
+    shown = io.StringIO()
+    set_console(Console(file=shown, width=300))
+    try:
+        with JsonLinesWriter(str(path)) as writer:
+            writer(checkpoint)
+    finally:
+        set_console(None)
+    content = path.read_bytes()
+    assert content.startswith(earlier + b"\n") and content.endswith(b"\n")
+    last = json.loads(content.splitlines()[-1])
+    assert last["step"] == checkpoint.step
+    said = " ".join(shown.getvalue().split())
+    assert "holds 2 lines of an earlier run" in said and "its last line is cut" in said
+
+
 def test_a_model_evaluated_in_training_mode_is_an_apply_error_with_the_remedy():
     from flax_loop.errors import ApplyError
     from tests.helpers import BatchNormDropoutNet, digits_loop

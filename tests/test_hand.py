@@ -118,3 +118,18 @@ def test_bad_hands_are_named():
     with pytest.raises(ConfigError, match=r"no injected hyperparameter \['lr'\]"):
         injected.set_hyperparams(lr=0.01)
     assert loop.next_checkpoint().step == 8  # the loop goes on after each refusal
+
+
+def test_a_scheduled_hyperparameter_is_refused_naming_the_schedule():
+    """A value set on a hyperparameter a schedule sets at every step would be
+    overwritten at the next step: refused, and the steps after it follow the
+    schedule."""
+    schedule = optax.linear_schedule(0.1, 0.0, 8)
+    loop = sgd_loop(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.5))
+    loop.next_checkpoint()
+    with pytest.raises(ConfigError, match="sets learning_rate from a schedule at every step"):
+        loop.set_hyperparams(learning_rate=0.05)
+    loop.set_hyperparams(momentum=0.0)  # a constant beside it is set
+    second = loop.next_checkpoint()
+    assert second.train_metrics["momentum"] == pytest.approx(0.0)
+    assert second.train_metrics["learning_rate"] == pytest.approx(float(schedule(7)))

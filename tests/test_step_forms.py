@@ -81,6 +81,20 @@ def test_a_compute_loss_step_is_the_hand_written_update():
     assert outcome.metrics["draw"] == jax.random.uniform(loss_key(KEY, 5, 0))
 
 
+def test_a_metric_named_loss_is_refused_rather_than_hiding_the_loss():
+    """The training metrics' 'loss' (or '<part>_loss') is the loss itself: a
+    metric of that name would replace it, silently."""
+
+    def compute_loss(model, batch, *, rng, step):
+        loss = cross_entropy(model(batch["x"]), batch["y"])
+        return -loss, {"loss": loss}
+
+    objective, tree = compute_loss_objective(compute_loss, optax.sgd(0.1))
+    step = gradient_step(objective, 0, axis_name=None)
+    with pytest.raises(LossError, match="metrics name one 'loss'.*such as 'raw_loss'"):
+        jax.jit(step.update)(core(optax.sgd(0.1)), tree({"x": X[:32], "y": Y[:32]}), CONTEXT)
+
+
 def test_a_supervised_loss_is_the_same_step_of_the_models_outputs():
     objective = Objective(
         [Part(None, supervised_loss(cross_entropy), optax.sgd(0.1), None)],
@@ -215,3 +229,18 @@ def test_a_linen_compute_loss_may_not_train_an_integer_parameter():
     fields = core(optax.sgd(0.1), params)
     with pytest.raises(ConfigError, match="The parameter count is int32"):
         jax.jit(step.update)(fields, ((X[:4],), (Y[:4],)), CONTEXT)
+
+
+def test_a_typed_key_in_the_carry_is_refused_naming_the_leaf_and_the_fix():
+    """A checkpoint file holds numbers: a typed key would fail at the first
+    write, after training; refused when the carry starts, with the fix."""
+    step = with_carry({"noise": {"key": jax.random.key(3)}, "seen": jnp.int32(0)})(
+        Step(dict, lambda fields, batch, context: (fields, None))
+    )
+    with pytest.raises(ConfigError, match=r"carry\['noise'\]\['key'\] is a typed key.*key_data"):
+        step.init({"model_params": {}, "model_state": {}, "optimizer_state": ()})
+    data = with_carry({"key": jax.random.key_data(jax.random.key(3))})(
+        Step(dict, lambda fields, batch, context: (fields, None))
+    )
+    started = data.init({"model_params": {}, "model_state": {}, "optimizer_state": ()})
+    assert started[CARRY]["key"].dtype == jnp.uint32

@@ -89,6 +89,10 @@ class JsonLinesWriter:
             self._say_earlier_lines()
         descriptor = self._open()
         size = os.fstat(descriptor).st_size
+        if size and os.pread(descriptor, 1, size - 1) != b"\n":
+            # an earlier writer's last line was cut: it stays a line of its
+            # own, and this record one that `json` and pandas read
+            line = b"\n" + line
         try:
             written = 0
             while written < len(line):
@@ -107,19 +111,26 @@ class JsonLinesWriter:
     def _say_earlier_lines(self) -> None:
         r"""One line when the file holds an earlier run's lines (appended to)."""
         try:
-            with open(self.path, encoding="utf-8") as earlier:
-                lines = [line for line in earlier if line.strip()]
+            with open(self.path, "rb") as earlier:
+                content = earlier.read()
         except OSError:
             return
+        lines = [line for line in content.split(b"\n") if line.strip()]
         if not lines:
             return
         try:
-            last = json.loads(lines[-1]).get("step")
-        except ValueError:
+            last = json.loads(lines[-1].decode("utf-8")).get("step")
+        except (ValueError, AttributeError):
             last = None
         at = f", the last of step {last:,}" if isinstance(last, int) else ""
+        cut = (
+            " (its last line is cut or unreadable: the next record starts a line of its own)"
+            if last is None or not content.endswith(b"\n")
+            else ""
+        )
         log(
-            f"appending to {self.path}, which holds {len(lines):,} lines of an earlier run{at}.",
+            f"appending to {self.path}, which holds {len(lines):,} lines of an earlier "
+            f"run{at}{cut}.",
             self.stdout,
             lead="JsonLinesWriter:",
         )
@@ -131,7 +142,7 @@ class JsonLinesWriter:
                 if directory:
                     os.makedirs(directory, exist_ok=True)
                 self._file = os.open(
-                    self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+                    self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
                 )
             except OSError as error:
                 raise CheckpointError(

@@ -182,6 +182,30 @@ def constant_hyperparams(optimizer: Any) -> list[dict[str, Any]]:
     ]
 
 
+def scheduled_hyperparams(optimizer: Any) -> set[str]:
+    r"""The injected hyperparameters of `optimizer` that a schedule sets at
+    every update (empty when it holds none or cannot be probed).
+
+    >>> scheduled_hyperparams(optax.inject_hyperparams(optax.sgd)(
+    ...     learning_rate=optax.linear_schedule(1.0, 0.0, 10), momentum=0.9))
+    {'learning_rate'}
+    """
+    constants = constant_hyperparams(optimizer)
+    if not constants:
+        return set()
+    injected = [
+        node
+        for node in jax.tree.leaves(optimizer.init({}), is_leaf=lambda n: isinstance(n, _INJECTED))
+        if isinstance(node, _INJECTED)
+    ]
+    return {
+        hyperparameter
+        for node, constant in zip(injected, constants)
+        for hyperparameter in node.hyperparams
+        if hyperparameter not in constant
+    }
+
+
 def task_hyperparams(optimizer_state: Any, optimizer: Any) -> tuple[Any, list[str]]:
     r"""A resumed optimizer state with the task's constant injected
     hyperparameters where the file holds others, and a description of each
@@ -209,15 +233,18 @@ def task_hyperparams(optimizer_state: Any, optimizer: Any) -> tuple[Any, list[st
 
 
 def hyperparams_changer(
-    names: list[str | None], name: str | None, values: Mapping[str, Any]
+    optimizers: Mapping[str | None, Any], name: str | None, values: Mapping[str, Any]
 ) -> Callable[[SavedState], SavedState]:
     r"""`TrainLoop.set_hyperparams`' change of the saved state: the injected
     hyperparameters `values` of the optimizer `name` (of the task's
-    optimizers `names`; `[None]` for one).
+    `optimizers` by name; `{None: optimizer}` for one).
 
     Raises:
-        ConfigError: for a `name` the task's optimizers do not have.
+        ConfigError: for a `name` the task's optimizers do not have, or a
+            hyperparameter a schedule sets at every step (the value set
+            would be overwritten at the next step).
     """
+    names = list(optimizers)
     if (name is None) != (names == [None]) or name not in names:
         raise ConfigError(
             f"set_hyperparams(name={name!r}): "
@@ -228,6 +255,14 @@ def hyperparams_changer(
             )
         )
     where = "task.optimizer" + ("" if name is None else f"[{name!r}]")
+    scheduled = sorted(set(values) & scheduled_hyperparams(optimizers[name]))
+    if scheduled:
+        raise ConfigError(
+            f"set_hyperparams: {where} sets {', '.join(scheduled)} from a schedule at "
+            f"every step, which would overwrite the value set. Inject a constant "
+            f"(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)) to set it from "
+            "the loop, or change the schedule and build a new task."
+        )
 
     def changed(saved: SavedState) -> SavedState:
         state = saved.optimizer_state

@@ -45,7 +45,7 @@ def _part(field: str) -> str:
 
 def _shard_bytes(leaf: Any) -> tuple[int, Iterable[Any]]:
     r"""A leaf's bytes on each device that holds it, and those devices."""
-    itemsize = np.dtype(leaf.dtype).itemsize
+    itemsize = leaf.dtype.itemsize  # a typed key's too (np.dtype has none)
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         return int(np.prod(leaf.shape, dtype=np.int64)) * itemsize, ()

@@ -100,6 +100,13 @@ def split_loss(value: Any, per_device: bool) -> tuple[jax.Array, dict[str, jax.A
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
         loss, metrics = value
         checked = {}
+        if "loss" in metrics:
+            raise LossError(
+                "The loss function's metrics name one 'loss': the training metrics' "
+                "'loss' is the loss it returns (each optimizer's '<name>_loss' with "
+                "several), so this metric would hide it. Name the metric otherwise, "
+                "such as 'raw_loss'."
+            )
         for name, metric in metrics.items():
             array = jnp.asarray(metric)
             if not isinstance(name, str) or array.shape != ():
