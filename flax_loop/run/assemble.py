@@ -50,7 +50,7 @@ from flax_loop.run.initial import (
     start_fields,
 )
 from flax_loop.run.interval import Intervals
-from flax_loop.run.layout import StepLayout
+from flax_loop.run.layout import StepLayout, per_device_note
 from flax_loop.run.memory import check_fits, describe_model, format_plan, fullest
 from flax_loop.run.options import (
     DEFAULT_MUTABLE_COLLECTIONS,
@@ -63,7 +63,7 @@ from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
 from flax_loop.run.throughput import TimeBreakdown, meter
 from flax_loop.step.compiled import CompiledSteps
-from flax_loop.step.core import Step
+from flax_loop.step.lowering import PER_DEVICE_MODES
 from flax_loop.step.model import refuse_float_labels
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
@@ -116,9 +116,11 @@ def assemble(
     interrupted = None if placement.multiprocess else lambda: guard.interrupted
     finished = start.path is not None and 0 < n_steps <= step  # nothing left to train
     steps = _compiled(
-        layout.step, placement, state, feed, step_key, plan, shardings, objective, interrupted,
-        finished, layout.program_key,
+        layout, placement, state, feed, step_key, plan, shardings, objective, interrupted,
+        finished,
     )  # fmt: skip
+    if steps.mode in PER_DEVICE_MODES and placement.n_devices > 1:
+        _say_hint(per_device_note(placement.batch_axis), stdout)
     trained_part = objective.trained(start.model_params)
     intervals = _intervals(steps, placement, feed, key, options, step, objective, layout)
     setup_seconds = time.perf_counter() - started
@@ -299,7 +301,7 @@ def _say_hint(hint: str | None, stdout: bool) -> None:
 
 
 def _compiled(
-    step: Step,
+    layout: StepLayout,
     placement: Placement,
     state: TrainState,
     feed: BatchFeed,
@@ -309,14 +311,13 @@ def _compiled(
     objective: Objective,
     interrupted: Callable[[], bool] | None,
     defer: bool = False,
-    program_key: Any = None,
 ) -> CompiledSteps:
     r"""The step compiled for the plan's first dispatch (the others compiling
     behind it); an error raised while tracing says what the step was traced
     with."""
     try:
         return CompiledSteps(
-            counted(step),
+            counted(layout.step),
             placement,
             state,
             feed.sample_batch,
@@ -326,7 +327,8 @@ def _compiled(
             objective.grads_like,
             interrupted,
             defer,
-            program_key,
+            layout.program_key,
+            lambda: counted(layout.per_device()),
         )
     except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError) as error:
         first = str(error).strip().splitlines()[0]

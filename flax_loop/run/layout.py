@@ -2,12 +2,16 @@ r"""The run's step and how its state is laid out over the devices.
 
 `StepLayout.of` chooses the layout (`TrainLoop(sharding=...)`, the model's
 own annotations with a mesh) and builds the task's step over it: the fields
-the step declares are laid out by their `Field`.
+the step declares are laid out by their `Field`. The step is written for
+the whole batch, as on one device; the same step written per device (each
+device its share of the batch, averaging with `pmean`) is built only for a
+model or loss that names the batch axis itself (`per_device_note`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -39,6 +43,10 @@ class StepLayout:
     shardings_of: Callable[[TrainState], TrainState]
     r"""the state's shardings, given the state."""
 
+    per_device: Callable[[], Step]
+    r"""builds the task's step written per device, for a model or loss that
+    names the batch axis (its fields are the step's)."""
+
     program_key: Hashable
     r"""what determines the step's programs but the shapes they take
     (`flax_loop.step.cache`)."""
@@ -67,11 +75,10 @@ class StepLayout:
             annotations = parameter_annotations(*model)
         sharding = chosen_sharding(options.sharding, annotations)
         sharded = not is_replicated(sharding)
-        step = task_step(
+        step_of = functools.partial(
+            task_step,
             objective,
-            placement.batch_axis if placement.n_devices > 1 or sharded else None,
             skip=options.nonfinite == "skip",
-            shards=placement.batch_sharding if sharded else None,
             ema_decay=options.ema_decay,
             frozen=lambda params: objective.trained(params).frozen_mask(),
             transforms=getattr(task, "transforms", ()),
@@ -79,6 +86,12 @@ class StepLayout:
             carry=getattr(task, "carry", None),
             reads_data=getattr(task, "data", None) is not None,
         )
+        step = step_of(None)  # the whole batch, as on one device
+
+        def per_device() -> Step:
+            per_device = placement.n_devices > 1 or sharded
+            axis_name = placement.batch_axis if per_device else None
+            return step_of(axis_name, shards=placement.batch_sharding if sharded else None)
 
         def shardings_of(state: TrainState) -> TrainState:
             return state_shardings(
@@ -105,4 +118,15 @@ class StepLayout:
             placement.mesh,
             placement.batch_axis,
         )
-        return cls(step, sharding, annotations, shardings_of, program_key)
+        return cls(step, sharding, annotations, shardings_of, per_device, program_key)
+
+
+def per_device_note(axis: str) -> str:
+    r"""What set-up says of a step that names the batch axis `axis`."""
+    return (
+        f"The model or loss names the batch axis {axis!r} (BatchNorm(axis_name={axis!r}), "
+        "all_gather, psum, axis_index): the step runs per device, each device on its "
+        "share of the batch with keys of its own, so N devices do not compute what one "
+        "does. Drop the axis name and the collectives: the step sees the whole batch, "
+        "as on one device."
+    )

@@ -5,9 +5,11 @@ arrays, or at `carry(params)` for a function of the initial parameters (a
 target network starting as the online one). The step it wraps reads the
 field and returns it changed: a `compute_loss` takes it as `carry=` and
 returns `(loss, metrics, new_carry)` (`split_carry`), a task's own step
-holds it in `StepState.carry`. Its floating-point leaves are averaged over
-the devices after each step (`pmean_floating`), so it stays one value for
-every replica.
+holds it in `StepState.carry`. The carry is one global value, laid out as
+the loop lays out the state: a leaf with one row per example of the batch
+is the whole batch's rows, on any number of devices. Only the per-device
+form (a step that names the batch axis) averages its floating-point leaves
+over the devices after each step (`pmean_floating`).
 
 >>> import jax.numpy as jnp
 >>> from flax_loop.step.core import Context, Outcome, Step
@@ -26,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flax_loop.errors import LossError
+from flax_loop.errors import ConfigError, LossError
 from flax_loop.step.core import Field, Fields, Step, Transform, declare
 
 CARRY = "carry"
@@ -43,12 +45,29 @@ def with_carry(carry: Any) -> Transform:
         def init(given: Fields) -> Fields:
             inner = step.init(given)
             value = carry(inner["model_params"]) if callable(carry) else carry
+            _refuse_typed_keys(value)
             # copies: a carried array never shares a buffer with another field
             return {**inner, CARRY: jax.tree.map(jnp.array, value)}
 
         return Step(init, step.update, fields)
 
     return transform
+
+
+def _refuse_typed_keys(carry: Any) -> None:
+    r"""A `ConfigError` naming a typed key (`jax.random.key`) in the carry:
+    checkpoint files hold numbers, and a key's bits are its data."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(carry)
+    for path, leaf in flat:
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            name = "carry" + jax.tree_util.keystr(path)
+            raise ConfigError(
+                f"{name} is a typed key ({leaf.dtype}): checkpoint files hold numbers, "
+                f"so carry its data, jax.random.key_data(key), and make the key again "
+                f"in the step with jax.random.wrap_key_data(...); or draw from the "
+                f"step's own rng, which the loop derives from the step (the same on "
+                f"resume)."
+            )
 
 
 def split_carry(result: Any, name: str | None) -> tuple[Any, Any]:

@@ -55,7 +55,7 @@ class CompiledSteps:
     recompilation.
 
     Args:
-        update: the per-device update (`flax_loop.step.statistics.counted`).
+        update: the update of the whole batch (`flax_loop.step.statistics.counted`).
         placement, state: the devices; the initial state, placed.
         sample_batch: `sample_batch(n_steps)`, a batch as the steps take it
             (`n_steps` stacked for several), for the programs' shapes.
@@ -69,6 +69,8 @@ class CompiledSteps:
             train; the first variant is still traced, for its errors).
         program_key: what determines the programs but their arguments'
             shapes (`flax_loop.step.cache`), or `None` (compile all anew).
+        per_device: builds the same step written per device, run instead
+            when the update names the batch axis (`mode`), or `None`.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class CompiledSteps:
         interrupted: Callable[[], bool] | None = None,
         defer: bool = False,
         program_key: Hashable | None = None,
+        per_device: Callable[[], Update] | None = None,
     ) -> None:
         started = time.perf_counter()
         self.compile_seconds = 0.0
@@ -103,7 +106,14 @@ class CompiledSteps:
         closing = sample_batch(plan.closing_steps) if plan.closing_steps else None
         self._stacked = stacked
         variants = Variants(
-            update, placement, key, plan, (batch, stacked, closing), self.grads_like, program_key
+            update,
+            placement,
+            key,
+            plan,
+            (batch, stacked, closing),
+            self.grads_like,
+            program_key,
+            per_device,
         )
         self._variants = variants
         packed, program, state, shardings, packing, mode = variants.first(
@@ -111,13 +121,16 @@ class CompiledSteps:
         )
         self.packing = packing
         r"""the layout the state travels in, or `None` (a sharded state)."""
+        self.mode = mode
+        r"""how the programs run over the devices (`flax_loop.step.lowering`):
+        one of `PER_DEVICE_MODES` for a step written per device."""
         # the unpacked state's shapes and layout, for the programs below
         self._unpacked = jax.tree.map(abstract, state)
         self.state = packed
         r"""the state to start from (with the metric sums the loss needs)."""
         self._lower = functools.partial(
             lower_update,
-            update,
+            variants.update,
             placement,
             key=key,
             mode=mode,

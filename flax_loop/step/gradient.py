@@ -1,14 +1,16 @@
 r"""One loss's step: its loss, its gradient and its optimizer's update.
 
 The `compute_loss` form, and the supervised one (`step/supervised`), as a
-step: each device computes the loss of its share of the batch with the
-model bound to the step's variables, and its gradient with respect to the
-step's `model_params`; the gradients, the loss, the metrics and the
-floating-point leaves of the mutated collections (and of `carry`) are
-averaged with `pmean` over the data axis; then every device applies the
-same optimizer update to its replica. On one device the same code runs
-under a plain `jax.jit`, without collectives. Under `train_only` the step's
-`model_params` are the trainable part; the model is bound with them all
+step: the loss of the batch with the model bound to the step's variables,
+its gradient with respect to the step's `model_params`, the optimizer's
+update. Written for the whole batch, it is the same program on one device
+and on many (the loop lays it out; `flax_loop.step.lowering`). Built with
+an `axis_name`, it is the per-device form instead, for a model or loss
+that names the batch axis: each device computes the loss of its share, and
+the gradients, the loss, the metrics and the floating-point leaves of the
+mutated collections (and of `carry`) are averaged with `pmean` over the
+axis. Under `train_only` the step's `model_params` are the trainable part;
+the model is bound with them all
 (`Context.whole`).
 
 >>> import jax, optax
@@ -60,7 +62,8 @@ def gradient_step(
         index: the part: its loss, its optimizer (whose state is the step's
             `optimizer_state`) and its own random numbers (a later part's
             keys are folded with its index).
-        axis_name: the mesh axis to average over; `None` on one device.
+        axis_name: the mesh axis to average over (the per-device form);
+            `None` for the step of the whole batch.
         shards: for a sharded state, updated by one program over the whole
             batch (`jax.jit` with shardings, no `shard_map`): the batch's
             layout. The forward pass is mapped with `jax.vmap` over the

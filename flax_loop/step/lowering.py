@@ -1,11 +1,15 @@
 r"""One step variant lowered for the devices: `lower_update`.
 
-The per-device update (`flax_loop.step`) becomes a program: one step, a
+The update (`flax_loop.step`) becomes a program: one step, a
 `jax.lax.scan` over stacked batches, or the interval's closing step, which
-also returns its gradients and the interval's statistics. It runs under a
-plain `jax.jit` on one device, `jax.shard_map` over a replicated state, or
-GSPMD (`jit` with the state's shardings) over a sharded one; the state is
-donated, and a replicated one travels packed (`flax_loop.step.packing`).
+also returns its gradients and the interval's statistics. It is one global
+program: written for the whole batch and the whole state, as on one
+device, and laid out by `jax.jit`'s shardings (the state's, replicated or
+sharded; the batch split along the batch axis), the compiler placing the
+collectives (the gradients' all-reduce among them). A step written for one
+device (`PER_DEVICE_MODES`: a model or loss that names the batch axis)
+runs under `jax.shard_map` instead. The state is donated, and a replicated
+one travels packed (`flax_loop.step.packing`).
 
 >>> import jax, optax
 >>> import numpy as np
@@ -44,7 +48,11 @@ from flax_loop.step.packing import LayoutChanged, Packing, on_packed
 from flax_loop.step.state import TrainState, close_interval
 from flax_loop.step.statistics import Update
 
-UPDATE_MODES = ("jit", "shard_map", "gspmd")
+UPDATE_MODES = ("jit", "global", "shard_map", "gspmd")
+PER_DEVICE_MODES = ("shard_map", "gspmd")
+r"""The modes of a step written per device (`jax.lax.pmean` over the batch
+axis): a replicated state under `shard_map`, a sharded one mapped over the
+batch's shards in one program (`flax_loop.step.gradient`)."""
 
 
 def lower_update(
@@ -76,12 +84,15 @@ def lower_update(
         with_grads: whether the call also returns the (last step's) gradients
             (with `n_steps > 1`, only with `closing`).
         mode: how the update runs over the devices: `"jit"` (one device, no
-            collectives; `shard_map` costs ~11% there), `"shard_map"` (a
-            replicated state: the per-device update runs on every device,
-            binding the placement's batch axis), or `"gspmd"` (a sharded state: an update
-            built with `shards` runs as one program over the whole batch,
-            XLA placing the collectives the state's shardings need).
-        shardings: the state's `NamedSharding` objects (`"gspmd"`; replicated otherwise).
+            collectives), `"global"` (the update of the whole batch laid out
+            by the state's and the batch's shardings, the compiler placing
+            the collectives), or a step written per device
+            (`PER_DEVICE_MODES`): `"shard_map"` (a replicated state: the
+            update runs on every device's share, binding the placement's
+            batch axis) or `"gspmd"` (a sharded state: an update built with
+            `shards` maps itself over the batch's shards in one program).
+        shardings: the state's `NamedSharding` objects, or `None` for a
+            replicated state.
         closing: (with `with_grads`) the interval's last step: it also closes
             the interval (`close_interval`: its statistics, its sums reset),
             in the same program, so a checkpoint costs no further dispatch.
@@ -105,7 +116,7 @@ def lower_update(
             structure than `state` (sums of metrics the loss reports): lower
             again from a state that has them.
     """
-    assert packing is None or mode != "gspmd", "a sharded state is never packed"
+    assert packing is None or shardings is None, "a sharded state is never packed"
     stacked = n_steps > 1
     assert not stacked or with_grads == closing, "several steps return gradients only to close"
 
@@ -193,15 +204,23 @@ def _over_devices(
             out_specs=PartitionSpec(),
             check_vma=False,
         )
-    if mode != "gspmd" or shardings is None:
+    if mode in ("jit", "shard_map"):
         return jax.jit(steps, donate_argnums=0, out_shardings=replicated)
+    # One program over the whole batch, its layout given as data: the state
+    # as laid out (replicated: one sharding for the whole tree), the batch
+    # split along the batch axis.
     batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
-    grads_shardings = (grads_like or (lambda tree: tree))(shardings.model_params)
-    outputs = (shardings, replicated, grads_shardings, replicated)
+    if shardings is None:
+        state_shardings: Any = replicated
+        grads_shardings: Any = replicated
+    else:
+        state_shardings = shardings
+        grads_shardings = (grads_like or (lambda tree: tree))(shardings.model_params)
+    outputs = (state_shardings, replicated, grads_shardings, replicated)
     return jax.jit(
         steps,
         donate_argnums=0,
-        in_shardings=(shardings, batch_sharding, replicated),
+        in_shardings=(state_shardings, batch_sharding, replicated),
         out_shardings=outputs[:n_outputs],
     )
 

@@ -204,9 +204,10 @@ def own_step(
         update: the task's `update(state, batch, *, rng, step)`.
         objective: the task's optimizers and trainable parts (and its model).
         carry: the initial arrays the step carries, or `None`.
-        axis_name: the mesh axis gradients are averaged over; `None` on one
-            device and with a sharded state (`shards`), whose step runs over
-            the whole batch at once.
+        axis_name: the mesh axis gradients are averaged over (the
+            per-device form, for a step that names the batch axis); `None`
+            for the step of the whole batch, and with a sharded state
+            (`shards`), whose per-device step runs as one program.
         shards: the batch's layout with a sharded state, or `None`.
         reads_data: whether the task has a data stream; without, `fn` is
             given `None` for the batch.

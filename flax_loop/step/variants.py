@@ -22,7 +22,7 @@ from flax_loop.data.feed import LAST, MANY, MANY_LAST, DispatchPlan
 from flax_loop.parallel import Placement
 from flax_loop.step import cache
 from flax_loop.step.cache import identity, signature
-from flax_loop.step.lowering import lower_update
+from flax_loop.step.lowering import PER_DEVICE_MODES, lower_update
 from flax_loop.step.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
 from flax_loop.step.state import TrainState, close_interval
 from flax_loop.step.statistics import Update
@@ -132,10 +132,16 @@ class Variants:
         batches: tuple[Batch, Batch | None, Batch | None],
         grads_like: Callable[[Any], Any],
         program_key: Hashable | None = None,
+        per_device: Callable[[], Update] | None = None,
     ) -> None:
         self.update, self.placement, self.key, self.plan = update, placement, key, plan
+        r"""the update the programs run: the global one, until `first` finds a
+        step written per device."""
         self.batches, self.grads_like = batches, grads_like
         self.program_key = program_key
+        self.per_device = per_device
+        r"""builds the update written per device (`None`: the update is the
+        only one), for a model or loss that names the batch axis."""
         r"""what determines the programs but their arguments' shapes, or `None`
         (compile every program: `flax_loop.step.cache`)."""
         self.unpacked: Hashable = None
@@ -219,14 +225,13 @@ class Variants:
         and the model need. A re-run of a step this process lowered before
         takes what that first lowering found, and lowers nothing."""
         placement = self.placement
-        if shardings is not None:
-            mode = "gspmd"
-        else:
-            mode = "shard_map" if placement.n_devices > 1 else "jit"
+        mode = "global" if shardings is not None or placement.n_devices > 1 else "jit"
         first_key = self.cache_key("first", name, signature(state), signature(shardings))
         known = cache.found(first_key)
         if known is not None:
             mode, names = known
+            if mode in PER_DEVICE_MODES:
+                self._per_device()
             if names is not None:
                 state, shardings = with_sums(state, shardings, names, placement)
                 packing = packing_of(state) if packing is not None else None
@@ -242,13 +247,14 @@ class Variants:
             try:
                 packed, program = lowered()
             except NameError as error:
-                # A model that names the batch axis (BatchNorm(axis_name="data"))
-                # on one device: bind the axis with a one-device mesh. Only the
-                # model's trace says whether it calls a collective.
+                # A model or loss that names the batch axis (BatchNorm(axis_name=
+                # "data"), all_gather, psum) is written per device: run it so,
+                # binding the axis. Only the step's trace says whether it does.
                 unbound = f"unbound axis name: {placement.batch_axis}"
-                if mode != "jit" or unbound not in str(error):
+                if self.per_device is None or unbound not in str(error):
                     raise
-                mode = "shard_map"
+                self._per_device()
+                mode = "gspmd" if shardings is not None else "shard_map"
                 packed, program = lowered()
         except LayoutChanged as changed:  # the step reports metrics: carry their sums
             names = tuple(changed.state.metric_sums)
@@ -263,6 +269,11 @@ class Variants:
             "variant", name, mode, signature(jax.tree.map(abstract, packed)), signature(shardings)
         )
         return packed, lambda: cache.compiled(key, program.compile), state, shardings, packing, mode
+
+    def _per_device(self) -> None:
+        r"""From now on, the update written per device."""
+        assert self.per_device is not None, "only a step that has one runs per device"
+        self.update = self.per_device()
 
     def _packed(self, state: TrainState, packing: Packing | None) -> Any:
         r"""The state as the programs take it (packed, when it travels so)."""

@@ -1,0 +1,199 @@
+"""The step is one program over the whole batch: N devices compute what one
+computes, for steps with randomness, terms over the whole batch and
+per-example state. Each test trains the same program on 1, 2 and 4 of the
+suite's forced CPU devices and compares the parameters (and the carry) with
+plain SGD, whose update is not rescaled as Adam's is (a sum taken in another
+order is all that may differ: float rounding)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import DATA_AXIS, TrainLoop, TrainTask
+
+N_STEPS, BATCH = 12, 16
+ROUNDING = 1e-6  # relative to the largest parameter
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def batches(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N_STEPS * BATCH, 8)).astype(np.float32)
+    y = rng.integers(0, 4, N_STEPS * BATCH).astype(np.int32)
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
+
+
+MLP = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(4)])
+
+
+class Dropped(nn.Module):
+    deterministic: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dropout(0.5, deterministic=self.deterministic)(nn.relu(nn.Dense(32)(x)))
+        return nn.Dense(4)(x)
+
+
+class Normalized(nn.Module):
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(nn.Dense(32)(x))
+        return nn.Dense(4)(nn.relu(x))
+
+
+def trained(model, task, n_devices, **options):
+    loop = TrainLoop(
+        init=model.init,
+        task=task,
+        rnkey=jax.random.key(0),
+        n_steps=N_STEPS,
+        n_steps_per_checkpoint=N_STEPS,
+        devices=jax.devices()[:n_devices],
+        stdout=False,
+        **options,
+    )
+    checkpoint = list(loop)[-1]
+    return loop, jax.device_get((checkpoint.model_params, checkpoint.model_state, checkpoint.carry))
+
+
+def relative_difference(one, other):
+    pairs = list(zip(jax.tree.leaves(one), jax.tree.leaves(other), strict=True))
+    largest = max(float(np.max(np.abs(a))) for a, _ in pairs)
+    return max(float(np.max(np.abs(a - b))) for a, b in pairs) / largest
+
+
+def assert_same_on_any_device_count(model, task, **options):
+    _, one = trained(model, task, 1, **options)
+    for n_devices in (2, 4):
+        _, many = trained(model, task, n_devices, **options)
+        assert relative_difference(one, many) < ROUNDING, n_devices
+    return one
+
+
+def test_dropout_draws_the_same_mask_on_any_device_count():
+    model = Dropped()
+    task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data=batches())
+    one = assert_same_on_any_device_count(model, task, collections={"apply": ["dropout"]})
+    # dropout did act: without it the parameters differ by far more than rounding
+    plain = Dropped(deterministic=True)
+    task = TrainTask(plain.apply, optax.sgd(0.1), cross_entropy, data=batches())
+    _, deterministic = trained(plain, task, 1)
+    assert relative_difference(one, deterministic) > 1e-2
+
+
+def test_noise_an_own_step_draws_from_rng_is_the_steps():
+    def noisy(state, batch, *, rng, step):
+        inputs, labels = batch
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(state.model(p)(inputs), labels))(
+            state.params
+        )
+        leaves, tree = jax.tree.flatten(grads)
+        keys = jax.random.split(rng, len(leaves))
+        noise = [0.1 * jax.random.normal(k, g.shape) for g, k in zip(leaves, keys, strict=True)]
+        grads = jax.tree.unflatten(tree, [g + n for g, n in zip(leaves, noise, strict=True)])
+        return state.apply_gradients(grads), {"loss": loss}
+
+    task = TrainTask(MLP.apply, optax.sgd(0.1), update=noisy, data=batches())
+    assert_same_on_any_device_count(MLP, task)
+
+
+def test_a_loss_comparing_examples_sees_the_whole_batch():
+    def contrastive(model, batch, *, rng, step):
+        z = model(batch[0])
+        z = z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+        logits = z @ z.T / 0.5
+        return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(len(z))).mean()
+
+    task = TrainTask(MLP.apply, optax.sgd(0.1), compute_loss=contrastive, data=batches())
+    assert_same_on_any_device_count(MLP, task)
+
+
+def test_batchnorm_without_an_axis_name_normalizes_over_the_whole_batch():
+    model = Normalized()
+    task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data=batches())
+    one = assert_same_on_any_device_count(model, task, mutable_collections=["batch_stats"])
+    _, statistics, _ = one
+    assert float(np.max(np.abs(statistics["batch_stats"]["BatchNorm_0"]["mean"]))) > 1e-3
+
+
+def test_a_carry_with_a_row_per_example_is_never_averaged():
+    def recurrent(model, batch, *, rng, step, carry):
+        inputs, labels = batch
+        hidden = 0.5 * carry["hidden"] + model(inputs)
+        return cross_entropy(hidden, labels), {}, {"hidden": jax.lax.stop_gradient(hidden)}
+
+    task = TrainTask(
+        MLP.apply,
+        optax.sgd(0.1),
+        compute_loss=recurrent,
+        data=batches(),
+        carry={"hidden": jnp.zeros((BATCH, 4))},
+    )
+    one = assert_same_on_any_device_count(MLP, task)
+    hidden = one[2]["hidden"]
+    assert hidden.shape == (BATCH, 4)
+    assert float(np.std(hidden[:, 0])) > 1e-3  # one row per example, each its own
+
+
+def test_a_step_written_per_device_still_trains_and_says_so(capsys):
+    """BatchNorm(axis_name=DATA_AXIS), code of the per-device form, runs per
+    device with a note: on N devices its statistics are over the whole batch
+    (the collective), so it matches one device's run of the global step."""
+    per_device = Normalized(axis_name=DATA_AXIS)
+    task = TrainTask(per_device.apply, optax.sgd(0.1), cross_entropy, data=batches())
+    loop = TrainLoop(
+        init=per_device.init,
+        task=task,
+        rnkey=jax.random.key(0),
+        n_steps=N_STEPS,
+        n_steps_per_checkpoint=N_STEPS,
+        devices=jax.devices()[:2],
+        mutable_collections=["batch_stats"],
+    )
+    checkpoint = list(loop)[-1]
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"names the batch axis '{DATA_AXIS}'" in printed and "runs per device" in printed
+    whole = Normalized()
+    _, one = trained(
+        whole,
+        TrainTask(whole.apply, optax.sgd(0.1), cross_entropy, data=batches()),
+        1,
+        mutable_collections=["batch_stats"],
+    )
+    many = jax.device_get((checkpoint.model_params, checkpoint.model_state, checkpoint.carry))
+    assert relative_difference(one, many) < ROUNDING
+
+
+@pytest.mark.parametrize("steps_per_dispatch", [1, 4])
+def test_the_global_step_is_exact_across_cadence_and_dispatch(steps_per_dispatch):
+    """Dropout on 2 devices: checkpoints every 3 steps and K steps a dispatch
+    give the bits of one interval of 12 single steps."""
+    model = Dropped()
+    task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data=batches())
+    options = dict(collections={"apply": ["dropout"]})
+    _, straight = trained(model, task, 2, **options)
+    loop = TrainLoop(
+        init=model.init,
+        task=task,
+        rnkey=jax.random.key(0),
+        n_steps=N_STEPS,
+        n_steps_per_checkpoint=3,
+        steps_per_dispatch=steps_per_dispatch,
+        devices=jax.devices()[:2],
+        stdout=False,
+        **options,
+    )
+    last = list(loop)[-1]
+    for a, b in zip(
+        jax.tree.leaves(straight[0]), jax.tree.leaves(jax.device_get(last.model_params))
+    ):
+        np.testing.assert_array_equal(a, b)
