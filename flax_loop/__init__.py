@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from flax_loop.output.tensorboard import SummaryWriter
     from flax_loop.output.wandb_run import WandbWriter
     from flax_loop.parallel import DATA_AXIS
+    from flax_loop.run.preemption import clear_stop
     from flax_loop.run.profiling import ProfileSteps
     from flax_loop.task import EvalTask, TrainTask
 
@@ -86,6 +87,7 @@ _HOMES = {
     "MLflowWriter": "flax_loop.output.metric_store",
     "DATA_AXIS": "flax_loop.parallel",
     "ProfileSteps": "flax_loop.run.profiling",
+    "clear_stop": "flax_loop.run.preemption",
     "EvalTask": "flax_loop.task",
     "TrainTask": "flax_loop.task",
     "SummaryWriter": "flax_loop.output.tensorboard",
@@ -132,6 +134,7 @@ __all__ = [
     "TrainTask",
     "WandbWriter",
     "__version__",
+    "clear_stop",
     "errors",
     "initialize_processes",
     "random",

@@ -58,6 +58,10 @@ class StateLostError(FlaxLoopError, RuntimeError):
     r"""A loop whose state an interrupt destroyed mid-step; make a new one that resumes."""
 
 
+class StoppedError(FlaxLoopError, RuntimeError):
+    r"""Training was asked for after a stop by signal ended the process's training."""
+
+
 class MetricError(FlaxLoopError, KeyError):
     r"""A metric named by a reader or writer is missing from a summary."""
 

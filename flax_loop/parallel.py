@@ -152,6 +152,22 @@ class Placement:
         """
         return jax.tree.map(lambda leaf: jax.device_put(leaf, leaf.sharding, may_alias=False), tree)
 
+    def batch_shardings(self, tree: Any, stacked: bool = False) -> Any:
+        r"""The layout of a batch (leaves with a `shape`): each leaf split
+        along its batch axis (the first; the second with `stacked`) where its
+        size divides by the shards, whole on every device where it does not
+        (a graph batch's leaf of another size).
+
+        >>> placement = Placement(jax.devices()[:1])
+        >>> placement.batch_shardings([np.zeros((8, 3))]) == [placement.batch_sharding]
+        True
+        """
+        sharding = self.stacked_batch_sharding if stacked else self.batch_sharding
+        axis, n_shards = int(stacked), self.n_shards
+        return jax.tree.map(
+            lambda leaf: sharding if leaf.shape[axis] % n_shards == 0 else self.replicated, tree
+        )
+
     def shard_batch(self, tree: Any, stacked: bool = False) -> Any:
         r"""Splits the process-local batch along its batch axis over the mesh.
 
@@ -160,7 +176,7 @@ class Placement:
         """
         sharding = self.stacked_batch_sharding if stacked else self.batch_sharding
         if not self.multiprocess:
-            return jax.device_put(tree, sharding)
+            return jax.device_put(tree, self.batch_shardings(tree, stacked))
 
         def place(leaf: Any) -> jax.Array:
             if isinstance(leaf, jax.Array):
@@ -178,8 +194,10 @@ class Placement:
         """
 
         def place(leaf: Any) -> Any:
-            if isinstance(leaf, jax.Array) and leaf.sharding != self.batch_sharding:
-                return jax.device_put(leaf, self.batch_sharding)
+            if isinstance(leaf, jax.Array):
+                wanted = self.batch_shardings(leaf)
+                if leaf.sharding != wanted:
+                    return jax.device_put(leaf, wanted)
             return leaf
 
         return jax.tree.map(place, tree)

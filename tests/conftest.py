@@ -93,3 +93,13 @@ def without_compilation_cache():
 def pytest_unconfigure(config):
     if OWN_CACHE is not None:
         shutil.rmtree(OWN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _training_allowed():
+    """A test's stop by signal ends its process's training (as a script's
+    does); the next test in the worker trains again."""
+    yield
+    from flax_loop import clear_stop
+
+    clear_stop()

@@ -61,7 +61,7 @@ def test_a_stopped_run_ends_with_a_line_that_says_where_and_how_to_resume():
         steps.append(checkpoint.step)
         if steps == [5, 10]:  # once: a second signal would insist (its own handling)
             signal.raise_signal(signal.SIGUSR1)
-    assert steps == [5, 10, 10] and checkpoint.preempted
+    assert steps == [5, 10]  # the body's checkpoint was the last, seen once
     text = " ".join(out.getvalue().split())
     assert "Stopped: at step 10 (SIGUSR1), after its checkpoint. Run again to resume" in text
     assert "Done:" not in text
@@ -211,3 +211,19 @@ def test_in_a_terminal_a_second_ctrl_c_in_the_loop_body_raises_keyboard_interrup
     assert "KeyboardInterrupt" in out and "ENDED" not in out
     assert out.count("stopping after this step") <= 1  # the first press said once
     assert "Traceback" not in out
+
+
+def test_a_ctrl_c_at_an_interactive_prompt_ends_only_its_call(monkeypatch):
+    """In a script a stop by Ctrl-C ends the process's training, as SIGTERM
+    does; at a prompt or in a notebook the next cell trains on."""
+    from flax_loop import clear_stop
+    from flax_loop.run.preemption import note_process_stop, process_stop
+
+    note_process_stop(signal.SIGINT, "Ctrl-C at step 5")
+    assert process_stop() == "Ctrl-C at step 5"
+    clear_stop()
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    note_process_stop(signal.SIGINT, "Ctrl-C at step 5")
+    assert process_stop() is None
+    note_process_stop(signal.SIGTERM, "SIGTERM at step 5")  # a scheduler's, anywhere
+    assert process_stop() == "SIGTERM at step 5"

@@ -27,11 +27,14 @@ def value(checked_batch):
 
 
 def test_checked_batches_name_the_step_of_a_batch_that_does_not_match_the_first():
-    checked = CheckedBatches([batch(), batch(features=4)], Placement())
+    wider = batch(features=4)
+    checked = CheckedBatches([batch(), wider, (wider[0][..., None], wider[1])], Placement())
     checked.accept_first(checked.read(for_step=1))
     assert checked.spec.batch_size == 8
-    with pytest.raises(BatchError, match="step 2"):
-        checked.read(for_step=2)
+    assert checked.read(for_step=2)[0][0].shape == (8, 4)  # another size: a bucket
+    assert [spec.shapes for spec in checked.other_shapes] == [((8, 4), (8,))]
+    with pytest.raises(BatchError, match=r"step 3 differs .* in its leaf 0.*ranks"):
+        checked.read(for_step=3)  # another rank
 
 
 def test_batches_of_any_structure_pass_as_their_leaves_and_a_changed_one_is_named():
@@ -40,13 +43,14 @@ def test_batches_of_any_structure_pass_as_their_leaves_and_a_changed_one_is_name
     def image(value=0.0, features=3):
         return {"image": np.full((8, features), value, np.float32), "label": np.zeros(8, np.int32)}
 
-    stream = [image(), image(1.0), image(2.0, features=4), {"image": np.zeros((8, 3))}]
+    other_rank = {"image": np.zeros((8, 3, 1), np.float32), "label": np.zeros(8, np.int32)}
+    stream = [image(), image(1.0), other_rank, {"image": np.zeros((8, 3))}]
     checked = CheckedBatches(stream, Placement(), BatchTree())
     checked.accept_first(checked.read(for_step=1))
     second = checked.read(for_step=2)  # the same structure and spec: its leaves as they are
     assert second[1] == () and second[0][0] is stream[1]["image"]
-    with pytest.raises(BatchError, match="step 3"):
-        checked.read(for_step=3)  # another shape
+    with pytest.raises(BatchError, match=r"step 3 .*leaf 0.*\(8, 3, 1\)"):
+        checked.read(for_step=3)  # another rank
     with pytest.raises(BatchError, match="step 4.*structure differs"):  # a key less
         checked.read(for_step=4)
 

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from flax_loop import DATA_AXIS, TrainLoop, TrainTask
+from flax_loop.random import init_key, into_collection
 
 N_STEPS, BATCH = 12, 16
 ROUNDING = 1e-6  # relative to the largest parameter
@@ -197,3 +198,120 @@ def test_the_global_step_is_exact_across_cadence_and_dispatch(steps_per_dispatch
         jax.tree.leaves(straight[0]), jax.tree.leaves(jax.device_get(last.model_params))
     ):
         np.testing.assert_array_equal(a, b)
+
+
+N_GRAPHS, N_NODES = 8, 24
+
+
+def graph_batches():
+    """Graph batches: nodes (24, 5), a graph id per node (24,), a label per
+    graph (8,): arrays of different leading sizes."""
+    out = []
+    for seed in range(N_STEPS):
+        rng = np.random.default_rng(seed)
+        out.append(
+            {
+                "nodes": rng.normal(size=(N_NODES, 5)).astype(np.float32),
+                "graph": np.sort(rng.integers(0, N_GRAPHS, N_NODES)).astype(np.int32),
+                "label": rng.integers(0, 3, N_GRAPHS).astype(np.int32),
+            }
+        )
+    return out
+
+
+class GraphNet(nn.Module):
+    @nn.compact
+    def __call__(self, nodes, graph):
+        pooled = jax.ops.segment_sum(nn.relu(nn.Dense(16)(nodes)), graph, num_segments=N_GRAPHS)
+        return nn.Dense(3)(pooled)
+
+
+def graph_loss(model, batch, *, rng, step):
+    logits = model(batch["nodes"], batch["graph"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+@pytest.mark.parametrize("n_devices", [2, 3, 4])
+def test_a_graph_batch_trains_on_any_device_count_as_on_one(n_devices):
+    """On 3 devices the labels (8) do not split: they are whole on every device."""
+    model, data = GraphNet(), graph_batches()
+    sample = (data[0]["nodes"], data[0]["graph"])
+    task = TrainTask(model.apply, optax.sgd(0.1), compute_loss=graph_loss, data=data)
+    _, one = trained(model, task, 1, input_sample=sample)
+    loop, many = trained(model, task, n_devices, input_sample=sample)
+    assert relative_difference(one, many) < ROUNDING
+
+
+def sequences(lengths):
+    """Sequence batches of the given lengths, 8 examples each."""
+    out = []
+    for seed, length in enumerate(lengths):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(8, length, 4)).astype(np.float32)
+        out.append((x, (x.sum(axis=(1, 2)) > 0).astype(np.int32)))
+    return out
+
+
+class Pooled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.relu(nn.Dense(16)(x)).mean(axis=1))
+
+
+def test_batches_of_several_lengths_compile_a_step_each_when_first_met(capsys):
+    """Buckets on one device: batches of lengths 16 and 24 in turn train as a
+    hand-written loop of the same steps does; each new shape is said once,
+    and the run does not depend on its cadence (bit for bit)."""
+    model, data = Pooled(), sequences([16, 24, 16, 16, 24, 32] * 2)
+    task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data=data)
+
+    def run(every, steps_per_dispatch=1):
+        loop = TrainLoop(
+            init=model.init,
+            task=task,
+            rnkey=jax.random.key(0),
+            n_steps=N_STEPS,
+            n_steps_per_checkpoint=every,
+            steps_per_dispatch=steps_per_dispatch,
+            devices=jax.devices()[:1],
+        )
+        return jax.device_get(list(loop)[-1].model_params)
+
+    straight = run(N_STEPS)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.count("a step is compiled for them") == 2
+    assert "Batches of inputs (8, 24, 4) float32; targets (8,) int32 from step 2" in printed
+    assert "(shape 3 of at most 8)" in printed
+    for every, group in ((3, 1), (4, 2)):
+        for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(run(every, group))):
+            np.testing.assert_array_equal(a, b)
+
+    params = model.init(into_collection(init_key(jax.random.key(0)), ["params"]), data[0][0])
+
+    @jax.jit
+    def step(params, x, y):
+        grads = jax.grad(lambda p: cross_entropy(model.apply(p, x), y))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    for x, y in data:
+        params = step(params, x, y)
+    assert relative_difference(params["params"], straight) < ROUNDING
+
+
+def test_past_the_most_shapes_a_batch_is_refused_naming_the_limit():
+    from flax_loop.data.source import MAX_SHAPES
+    from flax_loop.errors import BatchError
+
+    model = Pooled()
+    data = sequences([8 + 4 * i for i in range(MAX_SHAPES + 1)])
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data=data),
+        rnkey=jax.random.key(0),
+        n_steps=MAX_SHAPES + 1,
+        n_steps_per_checkpoint=MAX_SHAPES + 1,
+        devices=jax.devices()[:1],
+        stdout=False,
+    )
+    with pytest.raises(BatchError, match=rf"step {MAX_SHAPES + 1} .*at most {MAX_SHAPES} batch"):
+        list(loop)

@@ -7,7 +7,8 @@ import jax
 import optax
 import pytest
 
-from flax_loop import TrainLoop, TrainTask
+from flax_loop import TrainLoop, TrainTask, clear_stop
+from flax_loop.errors import StoppedError
 from tests.helpers import (
     MLP,
     assert_same_arrays,
@@ -60,7 +61,10 @@ def test_signal_yields_a_preempted_checkpoint_and_restores_handlers(number):
         # Handlers are restored: the signal now reaches the original one.
         signal.raise_signal(number)
         assert seen == [number]
-        # Iterating again carries on training.
+        # The stop ends the process's training until it is cleared.
+        with pytest.raises(StoppedError, match="clear_stop"):
+            loop.next_checkpoint()
+        clear_stop()
         assert loop.next_checkpoint().step == 15
     finally:
         signal.signal(number, previous)

@@ -65,16 +65,29 @@ def test_a_background_write_records_the_data_position_of_its_step(tmp_path):
         assert meta["data_state"] == {"position": step}, step
 
 
-def test_a_stop_request_during_the_body_yields_a_preempted_checkpoint_at_once():
+def test_a_stop_request_during_the_body_ends_the_iteration_after_it(capsys):
+    """The body sees each checkpoint once; the stop ends the process's
+    training: a later loop (the fine-tuning after pre-training) trains no
+    step and says why, until flax_loop.clear_stop()."""
+    from flax_loop import clear_stop
+    from flax_loop.errors import StoppedError
+
     loop = digits_loop(optimizer=optax.sgd(0.1), n_steps=30, n_steps_per_checkpoint=5)
     seen = []
     for checkpoint in loop:
         seen.append((checkpoint.step, checkpoint.n_completed_steps, checkpoint.preempted))
-        if checkpoint.step == 10 and not checkpoint.preempted:
+        if checkpoint.step == 10:
             signal.raise_signal(signal.SIGTERM)  # while the caller's body runs
-    assert seen == [(5, 5, False), (10, 5, False), (10, 0, True)]
+    assert seen == [(5, 5, False), (10, 5, False)]
     assert loop.step == 10
-    # The request was honoured once: the loop goes on when asked again.
+    later = digits_loop(optimizer=optax.sgd(0.1), n_steps=30, n_steps_per_checkpoint=5, stdout=True)
+    assert list(later) == [] and later.step == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "not training: this process was asked to stop (SIGTERM at step 10)" in said
+    assert "flax_loop.clear_stop()" in said
+    with pytest.raises(StoppedError, match=r"SIGTERM at step 10.*clear_stop"):
+        loop.next_checkpoint()
+    clear_stop()  # the documented way to train on
     assert loop.next_checkpoint().step == 15
 
 

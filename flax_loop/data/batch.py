@@ -201,8 +201,15 @@ class BatchSpec:
 
     @property
     def batch_size(self) -> int:
-        r"""the size of the leading axis shared by every array."""
-        return self.inputs[0][0][0]
+        r"""the examples a batch holds: the size of the leading axis its
+        arrays share, or for a batch whose arrays differ there (a graph
+        batch: nodes, a graph id per node, a label per graph) the smallest."""
+        return min(shape[0] for shape, _ in self.inputs + self.targets)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        r"""every array's shape, inputs then targets."""
+        return tuple(shape for shape, _ in self.inputs + self.targets)
 
     def describe(self) -> str:
         r"""Renders the spec as `inputs (8, 3) float32; targets (8,) int32`."""
@@ -212,15 +219,38 @@ class BatchSpec:
 
         return f"inputs {group(self.inputs)}; targets {group(self.targets)}"
 
-    def check_batch_axis(self, n_shards: int, step: int | None = None) -> None:
-        r"""Checks that every array has one leading axis that splits into `n_shards`.
+    def check_batch_axis(self, n_shards: int, step: int | None = None, whole: bool = False) -> None:
+        r"""Checks that every array has a leading axis to split into `n_shards`.
+
+        A batch without targets (a batch of any structure) may hold arrays
+        of different leading sizes (a graph batch); each is split where its
+        size divides by `n_shards` and is whole on every device where it
+        does not, unless `whole` is false (several processes: each feeds
+        its share of every array). Other batches share one leading size,
+        which divides by `n_shards`.
 
         Raises:
-            BatchError: if an array is a scalar, leading axes differ, or the
-                batch size does not divide by `n_shards`.
+            BatchError: if an array is a scalar, leading axes differ where
+                they must not, or a batch size does not divide by `n_shards`.
         """
-        shapes = [shape for shape, _ in self.inputs + self.targets]
-        leading_size(shapes, n_shards=n_shards, step=step, described=self.describe())
+        shapes = list(self.shapes)
+        if self.targets or len({shape[:1] for shape in shapes}) == 1:
+            leading_size(shapes, n_shards=n_shards, step=step, described=self.describe())
+            return
+        at = "" if step is None else f" at step {step}"
+        for index, shape in enumerate(shapes):
+            if not shape:
+                raise BatchError(
+                    f"A batch{at} holds a scalar (its leaf {index}); every array needs a "
+                    f"leading axis. Got {self.describe()}."
+                )
+            if not whole and shape[0] % n_shards:
+                raise BatchError(
+                    f"The batch's leaf {index}{at}, of shape {shape}, does not split over "
+                    f"{n_shards} devices: with several processes every array is split "
+                    f"along its first axis. Pad it to a multiple of {n_shards} "
+                    f"({self.describe()})."
+                )
 
     def shorter(self, batch: Batch) -> bool:
         r"""Whether `batch` is this spec but for a smaller batch size."""
@@ -240,21 +270,69 @@ class BatchSpec:
             )
         )
 
-    def validate(self, batch: Batch, step: int | None = None) -> None:
+    def same_kind(self, other: "BatchSpec") -> bool:
+        r"""Whether `other` has this spec's arrays and dtypes, each of the same
+        rank: a batch of other sizes only (another bucket)."""
+        mine, theirs = self.inputs + self.targets, other.inputs + other.targets
+        return (
+            len(other.inputs) == len(self.inputs)
+            and all(
+                len(shape) == len(want) and dtype == want_dtype
+                for (shape, dtype), (want, want_dtype) in zip(theirs, mine, strict=False)
+            )
+            and len(mine) == len(theirs)
+        )
+
+    def validate(
+        self,
+        batch: Batch,
+        step: int | None = None,
+        max_shapes: int | None = None,
+        multiprocess: bool = False,
+    ) -> None:
         r"""Checks that a batch has exactly this spec.
 
+        Args:
+            batch: the batch.
+            step: the step it is for, to name.
+            max_shapes: the most shapes a run takes, when other sizes of the
+                same arrays are taken (named in the message), else `None`.
+            multiprocess: several processes train (they keep one shape).
+
         Raises:
-            BatchError: naming both the expected and the received shapes.
+            BatchError: naming the first array that differs, both the
+                expected and the received shapes, and what to do.
         """
         received = BatchSpec.of(batch)
-        if received != self:
-            at = "" if step is None else f" at step {step}"
-            raise BatchError(
-                f"The batch{at} differs from the first batch of the stream: "
-                f"expected {self.describe()}, got {received.describe()}. "
-                "Every batch must keep the first batch's shapes and dtypes "
-                "(drop or pad a smaller last batch)."
+        if received == self:
+            return
+        at = "" if step is None else f" at step {step}"
+        mine, theirs = self.inputs + self.targets, received.inputs + received.targets
+        differing = next(
+            (
+                index
+                for index, (got, want) in enumerate(zip(theirs, mine, strict=False))
+                if got != want
+            ),
+            min(len(mine), len(theirs)),
+        )
+        if self.same_kind(received):
+            remedy = (
+                "With several processes every batch keeps the first batch's shapes: "
+                "pad them to one size."
+                if multiprocess
+                else f"A run takes at most {max_shapes} batch shapes, each compiling a step: "
+                "pad the batches to fewer sizes (buckets)."
             )
+        else:
+            remedy = (
+                "Every batch keeps the first batch's arrays, dtypes and ranks (its sizes "
+                "may change: each new shape compiles a step)."
+            )
+        raise BatchError(
+            f"The batch{at} differs from the first batch of the stream in its leaf "
+            f"{differing}: expected {self.describe()}, got {received.describe()}. {remedy}"
+        )
 
 
 def leading_size(

@@ -204,7 +204,8 @@ class BatchFeed:
         self.sample = self._batches.accept_first(None if first is None else first[0])
         r"""the first batch, as the steps take it (their shapes come from it)."""
         self.spec: BatchSpec = self._batches.spec  # type: ignore[assignment]
-        self._size = self.spec.batch_size
+        self._size = self.spec.shapes[0][0]  # the first leaf's: a shorter batch's is less
+        self._shapes = self.spec.shapes
         # (batch, the data state after it, or None while states are not recorded)
         self._ahead: deque[tuple[Batch, Any]] = deque([first])  # type: ignore[list-item]
         self.exhausted = False
@@ -255,9 +256,8 @@ class BatchFeed:
                 # batch more, so that a stream's end is a single last step.
                 closing = group == remaining
                 self._fill(group + (not closing), next_step)
-                size = self._size
                 if len(ahead) >= group + (not closing) and all(
-                    ahead[index][0][0][0].shape[0] == size for index in range(group)
+                    self._usual(ahead[index][0]) for index in range(group)
                 ):
                     popleft = ahead.popleft
                     items = [popleft() for _ in range(group)]
@@ -280,8 +280,16 @@ class BatchFeed:
         self._taken = (item,), self._taken_state
         batch, self._taken_state = item
         last = remaining == 1 or stopping or not ahead
-        short = batch[0][0].shape[0] != self._size
+        # a stream's shorter last batch, or a batch of another shape (a bucket)
+        short = batch[0][0].shape[0] != self._size or (
+            self._batches.other_shapes and not self._usual(batch)
+        )
         return self._place(batch), 1, SHORTER if short else (LAST if last else ONE), last
+
+    def _usual(self, batch: Batch) -> bool:
+        r"""Whether `batch` has the first batch's shapes (steps of it stack)."""
+        leaves = (*batch[0], *batch[1])
+        return all(leaf.shape == shape for leaf, shape in zip(leaves, self._shapes))
 
     def untake(self) -> None:
         r"""Puts the batches of the last dispatch back, to be taken again: its

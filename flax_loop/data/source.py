@@ -13,13 +13,14 @@ one-shot iterator ends when it ends, its state being its own `get_state()`.
 
 `CheckedBatches` reads from a `DataSource`, puts the raw batches in the form
 the steps take, and checks each against the first batch's `BatchSpec`: the
-same leaves, shapes and dtypes. A stream's shorter last batch (a
+same leaves, dtypes and ranks. A batch of other sizes (a bucket) is taken,
+said once, up to `MAX_SHAPES` shapes; a stream's shorter last batch (a
 `DataLoader`'s, tf.data's) is trained on when it splits over the devices,
 else dropped, never an error. Errors name the step the batch was for.
 
 >>> import numpy as np
 >>> from flax_loop.parallel import Placement
->>> batches = CheckedBatches([(np.zeros((8, 3)), np.zeros(8)), (np.zeros((8, 4)), np.zeros(8))],
+>>> batches = CheckedBatches([(np.zeros((8, 3)), np.zeros(8)), (np.zeros((8, 4, 1)), np.zeros(8))],
 ...                          Placement())
 >>> first = batches.accept_first(batches.read(for_step=1))
 >>> batches.spec.batch_size
@@ -27,7 +28,7 @@ else dropped, never an error. Errors name the step the batch was for.
 >>> batches.read(for_step=2)
 Traceback (most recent call last):
 ...
-flax_loop.errors.BatchError: The batch at step 2 differs from the first batch of the stream: ...
+flax_loop.errors.BatchError: The batch at step 2 differs from the first batch ... in its leaf 0: ...
 """
 
 import copy
@@ -45,6 +46,10 @@ from flax_loop.log import log
 from flax_loop.parallel import Placement
 
 EPOCH = "flax_loop/epoch"
+
+MAX_SHAPES = 8
+r"""The most batch shapes one run trains on (the first batch's included):
+each compiles a step of its own."""
 r"""The key of a re-iterable source's data state; the epoch, and the position in it."""
 
 
@@ -177,6 +182,9 @@ class CheckedBatches:
         # a batch of any structure (`BatchTree`): its structure and leaves' spec
         self._leaves: tuple[Any, tuple[Any, ...]] | None = None
         self._noted_drop = False
+        self.other_shapes: list[BatchSpec] = []
+        r"""the specs of the batches of other shapes met (buckets), in order:
+        each has a step compiled for it (`MAX_SHAPES` at most)."""
 
     def accept_first(self, first: Batch | None) -> Batch:
         r"""Takes the first batch's spec, which later batches must match.
@@ -199,9 +207,10 @@ class CheckedBatches:
                 "at least one batch (check the data set's size and batch size)."
             )
         self.spec = BatchSpec.of(first)
-        self.spec.check_batch_axis(self._placement.n_local_shards)
+        placement = self._placement
+        self.spec.check_batch_axis(placement.n_local_shards, whole=not placement.multiprocess)
         distributed.agree("the process-local batch size", self.spec.batch_size)
-        self._size = self.spec.batch_size
+        self._size = self.spec.shapes[0][0]  # the first leaf's: a shorter batch's is less
         if len(self.spec.inputs) == len(self.spec.targets) == 1:
             self._plain = (*self.spec.inputs[0], *self.spec.targets[0])
         tree = getattr(self._normalize, "treedef", None)
@@ -269,11 +278,40 @@ class CheckedBatches:
         smaller = spec is not None and batch[0][0].shape[:1] < (self._size,)
         if smaller and spec.shorter(batch) and self.source.ends_after():  # type: ignore[union-attr]
             return self._shorter_last(batch, for_step)
-        if spec is not None:
-            spec.validate(batch, step=for_step)
+        if spec is not None and BatchSpec.of(batch) != spec:
+            self._other_shape(batch, for_step)
         if not self._placement.multiprocess:
             batch = self._placement.feed_batch(batch)  # JAX arrays on other devices
         return batch
+
+    def _other_shape(self, batch: Batch, for_step: int) -> None:
+        r"""Accepts a batch of the first batch's structure and dtypes but of
+        other sizes (a bucket of sequence lengths, a padded graph batch): its
+        step is compiled when first met, which is said once.
+
+        Raises:
+            BatchError: naming the leaf that differs otherwise (structure,
+                dtype, rank), the shapes past `MAX_SHAPES`, with several
+                processes (which keep one shape), or a leaf that does not
+                split over the devices.
+        """
+        spec, received = self.spec, BatchSpec.of(batch)
+        assert spec is not None, "the first batch sets the spec"
+        placement = self._placement
+        if (
+            placement.multiprocess
+            or not spec.same_kind(received)
+            or (received not in self.other_shapes and len(self.other_shapes) + 1 >= MAX_SHAPES)
+        ):
+            spec.validate(batch, for_step, MAX_SHAPES, placement.multiprocess)
+        if received in self.other_shapes:
+            return
+        received.check_batch_axis(placement.n_local_shards, step=for_step, whole=True)
+        self.other_shapes.append(received)
+        log(
+            f"Batches of {received.describe()} from step {for_step:,}: a step is compiled "
+            f"for them (shape {len(self.other_shapes) + 1} of at most {MAX_SHAPES})."
+        )
 
     def _shorter_last(self, batch: Batch, for_step: int) -> Batch | None:
         r"""A stream's shorter last batch: trained on if it splits over the

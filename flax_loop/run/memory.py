@@ -131,14 +131,16 @@ def plan_of(steps: Any, feed: Any, steps_per_dispatch: int, placement: Any) -> d
 def dispatch_batch(sample: Any, group: int, placement: Any) -> Any:
     r"""The shapes of one dispatch's batch (`group` stacked steps of
     `sample`, the first batch) laid out as the steps take it."""
-    sharding = placement.stacked_batch_sharding if group > 1 else placement.batch_sharding
-    return jax.tree.map(
+    shapes = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(
-            (group, *np.shape(leaf)) if group > 1 else np.shape(leaf),
-            np.asarray(leaf).dtype,
-            sharding=sharding,
+            (group, *np.shape(leaf)) if group > 1 else np.shape(leaf), np.asarray(leaf).dtype
         ),
         sample,
+    )
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        shapes,
+        placement.batch_shardings(shapes, stacked=group > 1),
     )
 
 

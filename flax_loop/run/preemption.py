@@ -4,10 +4,16 @@ While a loop iterates (its body included), the signals set a flag instead
 of killing the process; the loop then finishes the step in flight, yields a
 last checkpoint marked `preempted` (which the caller's usual processing
 writes to disk) and stops. A request that arrives while the caller's body
-runs is kept: the next iteration yields that checkpoint at once, without
-training further. A second SIGINT raises `KeyboardInterrupt` at once (a
-second SIGTERM, its previous handling). The original handlers come back as
-soon as the loop stops iterating.
+runs ends the iteration when the body is done: the checkpoint it had was
+the last, and no step trains after it. A second SIGINT raises
+`KeyboardInterrupt` at once (a second SIGTERM, its previous handling). The
+original handlers come back as soon as the loop stops iterating.
+
+A stop ends the process's training, not only the loop's: once a loop has
+stopped for a signal, every loop of the process trains no further step
+(`process_stop`), so that a script of several loops ends when its
+scheduler asks, until `clear_stop()`. A Ctrl-C in a notebook or at the
+interpreter's prompt ends only the call it came in.
 
 While the loop runs its steps (`defer`), the second SIGINT's
 `KeyboardInterrupt` is raised by the loop itself, at the next point where
@@ -150,6 +156,46 @@ class PreemptionGuard:
         if self.signal is None:
             return ""
         return "Ctrl-C" if self.signal == signal.SIGINT else signal.Signals(self.signal).name
+
+
+_PROCESS_STOP: list[str] = []
+r"""The stop by signal a loop of this process honoured, as said on the console
+("SIGTERM at step 1,000"); empty while none (or since `clear_stop`)."""
+
+
+def note_process_stop(number: int | None, description: str) -> None:
+    r"""A loop stopped for signal `number` (`None`: another process's):
+    later loops of the process train no step. A Ctrl-C at an interactive
+    prompt (a notebook, the interpreter's) ends only its call."""
+    if number == signal.SIGINT and _interactive():
+        return
+    _PROCESS_STOP[:] = [description]
+
+
+def process_stop() -> str | None:
+    r"""The stop this process was asked for, once a loop honoured it, else `None`."""
+    return _PROCESS_STOP[0] if _PROCESS_STOP else None
+
+
+def clear_stop() -> None:
+    r"""Lets the process's loops train again after a stop by signal.
+
+    After a loop stopped for SIGTERM (a scheduler's request) or a Ctrl-C in
+    a script, every later loop of the process trains no step, says why, and
+    the script ends. Call this to train on anyway (say, to run a short
+    evaluation loop before exiting).
+
+    >>> clear_stop()
+    """
+    _PROCESS_STOP.clear()
+
+
+def _interactive() -> bool:
+    r"""Whether Python runs at an interactive prompt or in a notebook's kernel."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return shell is not None
 
 
 def quiet_interrupt(error: KeyboardInterrupt, message: str) -> KeyboardInterrupt:

@@ -24,13 +24,18 @@ import jax
 from flax_loop import distributed
 from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.data.feed import BatchFeed, DispatchPlan
-from flax_loop.errors import DataExhaustedError, StateLostError
+from flax_loop.errors import DataExhaustedError, StateLostError, StoppedError
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
 from flax_loop.run import memory
 from flax_loop.run.hand import changed_state
 from flax_loop.run.interval import Intervals
-from flax_loop.run.preemption import PreemptionGuard, quiet_interrupt
+from flax_loop.run.preemption import (
+    PreemptionGuard,
+    note_process_stop,
+    process_stop,
+    quiet_interrupt,
+)
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.throughput import Throughput, TimeBreakdown, done_line
@@ -160,6 +165,8 @@ class Runner:
     def run(self, target: int | None) -> Iterator[Checkpoint]:
         r"""Yields the checkpoints up to step `target` (`None`: up to
         `n_steps`, read again after each checkpoint)."""
+        if self._refused():
+            return
         with self.training(self.n_steps if target is None else target):
             stop = self.n_steps if target is None else target
             if self.step >= stop:
@@ -180,7 +187,8 @@ class Runner:
                     )
                     return
                 yield checkpoint
-                if checkpoint.preempted:
+                # a stop asked for in the body: that checkpoint was the last
+                if checkpoint.preempted or self._asked_in_the_body():
                     _stop(self.report)  # the bar's last line before the closing one
                     message = STOPPED.format(step=self.step, why=self.stopped_by)
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
@@ -195,9 +203,43 @@ class Runner:
                     style="bold",
                 )
 
+    def _refused(self) -> bool:
+        r"""Whether a stop by signal ended the process's training (said once a call)."""
+        stopped = process_stop()
+        if stopped is not None:
+            log(
+                f"not training: this process was asked to stop ({stopped}), and a loop "
+                "stopped for it. Call flax_loop.clear_stop() before this loop to train "
+                "anyway.",
+                self.stdout,
+                lead="Stopped:",
+                style="bold yellow",
+            )
+        return stopped is not None
+
+    def _asked_in_the_body(self) -> bool:
+        r"""Whether a stop was asked for while the caller's body ran (one
+        process: several agree on a stop at the next checkpoint instead)."""
+        guard = self.guard
+        if not guard.requested or self.placement.multiprocess:
+            return False
+        self._stopped(guard)
+        return True
+
+    def _stopped(self, guard: PreemptionGuard) -> None:
+        r"""The run stops for the guard's request, and so does the process's training."""
+        self.stopped_by = guard.name or "another process was asked to stop"
+        note_process_stop(guard.signal, f"{self.stopped_by} at step {self.step:,}")
+
     def run_alone(self, boundary: int) -> Checkpoint:
         r"""Runs to `boundary` and returns its checkpoint (a `DataExhaustedError`
-        if the stream has no batch left)."""
+        if the stream has no batch left; a `StoppedError` after a stop by
+        signal ended the process's training)."""
+        if self._refused():
+            raise StoppedError(
+                f"This process was asked to stop ({process_stop()}): no loop trains "
+                "after it. Call flax_loop.clear_stop() first to train anyway."
+            )
         with self.training(boundary):
             checkpoint = self.interval(boundary, total=boundary)
         if checkpoint is None:
@@ -294,7 +336,7 @@ class Runner:
         # the checkpoint's copy and statistics: waiting for the devices
         _account(self, checkpoint, (started, mark), data, device, compiled_before)
         if preempted:
-            self.stopped_by = guard.name or "another process was asked to stop"
+            self._stopped(guard)
             _keep_a_ctrl_c(guard)
         if report is not None:
             _show(report, step, checkpoint)

@@ -122,7 +122,8 @@ def lower_update(
 
     steps = _program(update, stacked, with_grads, closing, packing)
     n_outputs = 4 if closing else 3 if with_grads else 2
-    jitted = _over_devices(steps, placement, mode, shardings, stacked, n_outputs, grads_like)
+    batch_layout = placement.batch_shardings(batch, stacked)
+    jitted = _over_devices(steps, placement, mode, shardings, batch_layout, n_outputs, grads_like)
     return jitted.lower(state, batch, key)
 
 
@@ -182,12 +183,13 @@ def _over_devices(
     placement: Placement,
     mode: str,
     shardings: TrainState | None,
-    stacked: bool,
+    batch_layout: Any,
     n_outputs: int,
     grads_like: Callable[[Any], Any] | None,
 ) -> Any:
     r"""`steps(state, batch, key)` jitted for the placement in `mode` (as
-    `lower_update` takes them), the state donated; `n_outputs` the number
+    `lower_update` takes them), the state donated; `batch_layout` the
+    batch's shardings (`Placement.batch_shardings`); `n_outputs` the number
     of values it returns (state, loss, and gradients and statistics)."""
     replicated = placement.replicated
     if mode == "shard_map":
@@ -195,8 +197,7 @@ def _over_devices(
         # explicit pmean. With the default, differentiating w.r.t. replicated
         # parameters already sums over the axis and the update is N times too
         # large (tests/test_loop.py compares 4 devices with 1 under plain SGD).
-        axis = placement.batch_axis
-        batch_spec = PartitionSpec(None, axis) if stacked else PartitionSpec(axis)
+        batch_spec = jax.tree.map(lambda sharding: sharding.spec, batch_layout)
         steps = jax.shard_map(
             steps,
             mesh=placement.mesh,
@@ -209,7 +210,6 @@ def _over_devices(
     # One program over the whole batch, its layout given as data: the state
     # as laid out (replicated: one sharding for the whole tree), the batch
     # split along the batch axis.
-    batch_sharding = placement.stacked_batch_sharding if stacked else placement.batch_sharding
     if shardings is None:
         state_shardings: Any = replicated
         grads_shardings: Any = replicated
@@ -220,7 +220,7 @@ def _over_devices(
     return jax.jit(
         steps,
         donate_argnums=0,
-        in_shardings=(state_shardings, batch_sharding, replicated),
+        in_shardings=(state_shardings, batch_layout, replicated),
         out_shardings=outputs[:n_outputs],
     )
 
