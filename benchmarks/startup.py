@@ -111,6 +111,8 @@ def child(variant, workload):
 def run_child(variant, workload, cache=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    # cold: no persistent cache (a TrainLoop turns one on by default)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false" if cache is None else "true"
     if cache is not None:
         env.update(
             JAX_COMPILATION_CACHE_DIR=cache,

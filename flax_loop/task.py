@@ -22,6 +22,24 @@ MetricFn = Callable[..., Any]
 class TrainTask:
     r"""The training task describes how to train a model.
 
+    Fields (each documented in full below; `help()` and the API page show them):
+
+    - `apply`: the model, a linen `apply` or an `nnx.Module`.
+    - `optimizer`: an optax optimizer, or a dict of them by name.
+    - `loss`: `loss(*outputs, *targets)`, for `(inputs, targets)` batches.
+    - `data`: the batches: an iterator, or an iterable read epoch after epoch.
+    - `compute_loss`: instead of `loss`, `compute_loss(model, batch, *, rng,
+      step)` for batches of any structure (a dict by name with several
+      optimizers).
+    - `trainable`: which parameters train (all by default).
+    - `frozen`: frozen models by name (a teacher), given to `compute_loss`.
+    - `transforms`: transforms of the step, `transform(step) -> step`.
+    - `tokens`, `examples`: `fn(batch) -> int`, the counts behind the
+      throughput's tokens and examples per second.
+    - `update`: your own step, `update(state, batch, *, rng, step) ->
+      (state, metrics)`, instead of `loss` and `compute_loss`.
+    - `carry`: arrays the step carries from step to step (saved, resumed).
+
     >>> import jax
     >>> import numpy as np
     >>> import flax.linen as nn
@@ -69,8 +87,8 @@ class TrainTask:
     them (`method=` and any other keyword pass through; collections such as
     `batch_stats` change and carry over as in training). It may be called
     several times (each call draws its own dropout) and differentiated
-    through. `batch` is the stream's batch, `rng` a key of this step and
-    device (`jax.random.normal(rng, ...)`), `step` the number of updates
+    through. `batch` is the stream's whole batch, `rng` a key of this step,
+    the same on any number of devices (`jax.random.normal(rng, ...)`), `step` the number of updates
     done before this one (a traced int, 0 at the first, as optax's `count`
     and Flax's `TrainState.step`). With `frozen`, it also takes `frozen`.
 
@@ -130,12 +148,12 @@ class TrainTask:
     `opt_state` (a dict by name when `optimizer` is a dict) and `carry`;
     `state.model(params)` is the model bound to `params`, as `compute_loss`
     gets it, to call and differentiate through; `state.apply_gradients(
-    grads, name=None)` averages the gradients over the devices and applies
-    the named optimizer to its `trainable` parameters, as often as the step
+    grads, name=None)` applies the named optimizer to its `trainable`
+    parameters (the gradients of the whole batch), as often as the step
     needs (in Python loops, `lax.scan`, `fori_loop`); `state.replace(...)`
-    changes the rest. `batch` is the stream's batch as it gave it, `rng` a
-    key of this step and device, `step` the number of updates done before
-    this one (0 at the first), as optax's `count` and Flax's
+    changes the rest. `batch` is the stream's whole batch as it gave it,
+    `rng` a key of this step (the same on any number of devices), `step`
+    the number of updates done before this one (0 at the first), as optax's `count` and Flax's
     `TrainState.step` count. `metrics` is a dict of scalars with `"loss"`
     (what the interval's mean, the non-finite check and the progress bar
     read). With `data=None` the step reads no data (`batch` is `None`: a
@@ -155,10 +173,15 @@ class TrainTask:
     returns `(loss, metrics, new_carry)`. They are returned in
     `Checkpoint.carry`, saved in files and Orbax checkpoints, restored on
     resume, shown by `flax-loop show` and counted by the memory plan; the
-    step keeps their structure, dtypes and shapes. With several devices
-    they are one value for every replica: floating-point leaves are
-    averaged over the devices after each step; integer leaves (counters)
-    must come out of the step the same on every device."""
+    step keeps their structure, dtypes and shapes. They are one value, as
+    on one device, on any number of devices: a leaf with a row per example
+    holds the whole batch's rows, never averaged."""
+
+    examples: Any = None
+    r"""`examples(batch) -> int`; the examples of a batch, for
+    `Checkpoint.throughput`'s `examples_per_second` (called once, on the
+    first batch as the stream gave it); by default its leading size (the
+    smallest of its arrays', for a graph batch: its graphs)."""
 
 
 @dataclass

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from flax_loop import CheckpointFileReader, CheckpointFileWriter, Summary, SummaryLogger
+from flax_loop import (
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    Summary,
+    SummaryLogger,
+    clear_stop,
+)
 from flax_loop.checkpoint import format, list_checkpoints, lock, parse
 from flax_loop.errors import CheckpointCorruptError, CheckpointError
 from flax_loop.log import set_console
@@ -210,7 +216,9 @@ def test_no_wait_for_a_read_in_progress_the_loop_will_not_use(how):
         assert took < 5, took  # the read blocks for 60 s
     finally:
         stream.release.set()
-    # The read given up on is kept, not lost: training goes on from it.
+    # The read given up on is kept, not lost: training goes on from it (a
+    # stop by SIGTERM ended the process's training until it is cleared).
+    clear_stop()
     checkpoint = loop.next_checkpoint()
     assert checkpoint.step == 20 and checkpoint.data_state == {"reads": 20}
 

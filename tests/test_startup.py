@@ -64,6 +64,75 @@ def test_a_second_process_set_up_hits_the_persistent_cache(tmp_path):
     assert second_hits == first_compilations  # every one came from the cache
 
 
+RESTARTED = textwrap.dedent(
+    """
+    import jax, logging, sys
+    lines = []  # JAX's compiler says of every program whether the cache had it
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    compiler = logging.getLogger("jax._src.compiler")
+    compiler.setLevel(logging.DEBUG)
+    compiler.addHandler(handler)
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter
+    from tests.helpers import MLP, digits_loop
+    model = MLP()
+    reader = CheckpointFileReader(dir=sys.argv[1], target=model.init)
+    loop = digits_loop(model, init=reader, n_steps=int(sys.argv[2]), n_steps_per_checkpoint=4,
+                       devices=jax.devices()[:1], stdout=True)
+    write = CheckpointFileWriter(output_dir=sys.argv[1])
+    for checkpoint in loop:
+        write(checkpoint)
+    loop.compiled.wait()
+    # the step's programs: its variants (packed state), the state's copy and packing
+    steps = [line for line in lines if any(f"'jit_{name}'" in line for name in ("packed_fn", "copy", "pack"))]
+    hits = sum("cache hit" in line for line in steps)
+    misses = sum("CACHE MISS" in line for line in steps)
+    print("HITS", hits, "MISSES", misses, "FOLDER", jax.config.jax_compilation_cache_dir)
+    """
+)
+
+
+def test_a_restarted_run_takes_its_programs_from_the_default_cache(tmp_path):
+    """Nothing set: the cache is in the user's cache folder, and a script run
+    again (resuming from its files) takes every program from it and says so
+    (the seconds saved: benchmarks/startup.py)."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+    }
+    env.update(XDG_CACHE_HOME=str(tmp_path / "user-cache"), XLA_FLAGS=xla_flags(1))
+
+    def run(n_steps):
+        result = subprocess.run(
+            [sys.executable, "-c", RESTARTED, str(tmp_path / "ckpts"), str(n_steps)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        words = result.stdout.split("HITS")[-1].split()
+        return int(words[0]), int(words[2]), words[4], " ".join(result.stdout.split())
+
+    hits, misses, folder, said = run(8)
+    assert folder == str(tmp_path / "user-cache" / "flax_loop" / "jax")
+    assert hits == 0 and misses >= 3 and "from the cache" not in said
+    assert any(name.endswith("-cache") for name in os.listdir(folder))
+    hits, misses, _, said = run(16)  # a new process, resumed from step 8
+    assert "Resumed from step 8" in said and "programs from the cache" in said
+    assert misses == 0 and hits >= 3  # every program of the step came from the cache
+
+
+def test_the_cache_folder_is_trimmed_oldest_first(tmp_path):
+    from flax_loop.run.compile_cache import trim
+
+    for age, name in enumerate(["old", "middle", "new"]):
+        entry = tmp_path / f"{name}-cache"
+        entry.write_bytes(b"x" * 100)
+        os.utime(entry, (1_000_000 + age, 1_000_000 + age))
+    (tmp_path / "other").write_bytes(b"x" * 1000)  # not an entry: kept
+    trim(tmp_path, 250)
+    assert sorted(os.listdir(tmp_path)) == ["middle-cache", "new-cache", "other"]
+
+
 def test_set_up_traces_the_models_init_once(tmp_path):
     # The state's shapes (jax.eval_shape) and the state (jit) come from one
     # trace of init: JAX reuses it; a resumed run only takes the shapes.

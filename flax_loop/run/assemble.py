@@ -40,6 +40,7 @@ from flax_loop.errors import ConfigError, FlaxLoopError, LossError
 from flax_loop.log import console, is_main_process, log
 from flax_loop.parallel import Placement
 from flax_loop.random import as_typed_key, labels_of, train_key
+from flax_loop.run import compile_cache
 from flax_loop.run.initial import (
     InitFn,
     Reader,
@@ -96,6 +97,8 @@ def assemble(
         InitError: if `init` fails.
     """
     started = time.perf_counter()
+    compile_cache.use()  # before set-up compiles anything
+    cache_hits = compile_cache.CacheHits()
     options = options or Options()
     task = check_train_task(task)
     init_fn, reader = as_reader(init)
@@ -134,7 +137,7 @@ def assemble(
         intervals,
         placement,
         guard,
-        meter(feed, tree, placement, task.tokens),
+        meter(feed, tree, placement, task.tokens, task.examples),
         TimeBreakdown(setup_seconds, steps.compile_seconds),
         stdout,
         report,
@@ -143,6 +146,12 @@ def assemble(
     )
     trained = trained_part.split(start.model_params)
     _say_set_up(runner, start.model_params, trained, placement, setup_seconds, stdout, layout)
+    if cache_hits.count:
+        log(
+            f"{cache_hits.count} programs from the cache ({compile_cache.folder_in_use()}).",
+            stdout,
+            lead="Compiled:",
+        )
     _say_hint(lora_hint(objective), stdout)
     return runner
 

@@ -126,16 +126,26 @@ def tokens_per_batch(tokens: TokenCount | None, batch: Any, first_input: Any) ->
             np.dtype(first_input.dtype), np.integer
         )
         return int(np.size(first_input)) if is_ids else None
+    return counted_in_batch(tokens, batch, "tokens", "batch[0].size")
+
+
+def counted_in_batch(count_of: Callable[[Any], int], batch: Any, what: str, example: str) -> int:
+    r"""`count_of(batch)`, the task's count of `what` in a batch (`tokens`,
+    `examples`), checked.
+
+    Raises:
+        ConfigError: if it fails or returns no whole number.
+    """
     try:
-        count = tokens(batch)
+        count = count_of(batch)
     except Exception as error:
         raise ConfigError(
-            f"tokens(batch) raised {type(error).__name__}: {error}. It gets the first "
-            "batch as the stream gave it and returns the tokens in it, e.g. "
-            "tokens=lambda batch: batch[0].size."
+            f"{what}(batch) raised {type(error).__name__}: {error}. It gets the first "
+            f"batch as the stream gave it and returns the {what} in it, e.g. "
+            f"{what}=lambda batch: {example}."
         ) from None
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-        raise ConfigError(f"tokens(batch) must return a whole number of tokens; got {count!r}.")
+        raise ConfigError(f"{what}(batch) must return a whole number of {what}; got {count!r}.")
     return int(count)
 
 
@@ -170,13 +180,19 @@ def describe(breakdown: dict[str, Any]) -> str:
 
 
 def meter(
-    feed: BatchFeed, tree: BatchTree | None, placement: Placement, tokens: TokenCount | None
+    feed: BatchFeed,
+    tree: BatchTree | None,
+    placement: Placement,
+    tokens: TokenCount | None,
+    examples: TokenCount | None = None,
 ) -> Throughput:
     r"""A run's meter, from its feed's first batch (`tree`: its structure,
-    for a `compute_loss` task) and its devices.
+    for a `compute_loss` task) and its devices; `tokens` and `examples`
+    the task's counts of a batch, if given (by default, token ids and the
+    batch's leading size).
 
     Raises:
-        ConfigError: for a `tokens` that fails.
+        ConfigError: for a `tokens` or `examples` that fails.
     """
     sample = feed.sample
     if tree is None:
@@ -189,8 +205,13 @@ def meter(
         first_input = jax.tree.leaves(sample)[0]
     processes = placement.n_shards // max(placement.n_local_shards, 1)  # every process feeds
     counted = tokens_per_batch(tokens, given, first_input)
+    n_examples = (
+        feed.spec.batch_size
+        if examples is None
+        else counted_in_batch(examples, given, "examples", 'len(batch["label"])')
+    )
     return Throughput(
-        examples_per_step=feed.spec.batch_size * processes,
+        examples_per_step=n_examples * processes,
         tokens_per_step=None if counted is None else counted * processes,
         n_devices=placement.n_devices,
         peak_flops=device_peak(placement.devices[0]),
@@ -203,6 +224,7 @@ __all__ = [
     "PEAK_FLOPS",
     "Throughput",
     "TimeBreakdown",
+    "counted_in_batch",
     "describe",
     "device_peak",
     "done_line",

@@ -5,8 +5,8 @@ by the loop. `state` is a `StepState`: the parameters, the model state, the
 optimizer state (a dict by name when the optimizers are), the arrays the
 step carries (`TrainTask(carry=...)`), and the means to use them:
 `state.model(params)` (the model bound to `params`, as `compute_loss` gets
-it) and `state.apply_gradients(grads, name=None)` (averaged over the
-devices, then one optimizer applied to its trainable parameters), which a
+it) and `state.apply_gradients(grads, name=None)` (one optimizer applied
+to its trainable parameters), which a
 step may call any number of times, in Python loops or in `lax.scan`.
 
 >>> import jax, optax
@@ -158,9 +158,10 @@ class StepState:
 
     def apply_gradients(self, grads: Any, name: str | None = None) -> StepState:
         r"""The state after one update of optimizer `name` (the task's one
-        optimizer when `None`): `grads` (shaped as the parameters) averaged
-        over the devices, then applied to the parameters that optimizer
-        trains (`TrainTask.trainable`); the others keep their values.
+        optimizer when `None`): `grads` (shaped as the parameters; of the
+        whole batch, or averaged over the devices in the per-device form)
+        applied to the parameters that optimizer trains
+        (`TrainTask.trainable`); the others keep their values.
 
         Raises:
             ConfigError: for a name the task's optimizers do not have.
