@@ -148,6 +148,11 @@ class TrainLoop:
             still saves the data state after its last trained batch): `0`
             reads inline, `N` starts the thread at once; the default, None,
             uses one if the source's first reads took 0.2 ms or more each.
+        hyperparams: which injected hyperparameters (`optax.inject_hyperparams`)
+            a resumed run trains with where its file and the task differ:
+            `"task"` (the default: the task's) or `"file"` (the file's, so
+            that a rate the caller set with `set_hyperparams` survives a
+            restart); set-up says which in one line.
 
     Raises:
         ConfigError: for an invalid argument.
@@ -180,6 +185,7 @@ class TrainLoop:
         ema_decay: float | None = None,
         profile: ProfileSteps | None = None,
         prefetch: int | None = None,
+        hyperparams: str = "task",
     ) -> None:
         with distributed.failing_together(), _interrupted_during_set_up():
             n_steps = check_count("n_steps", n_steps, 0, MAX_STEPS)
@@ -196,6 +202,7 @@ class TrainLoop:
                 ema_decay=ema_decay,
                 profile=profile,
                 prefetch=prefetch,
+                hyperparams=hyperparams,
             )
             self.profile = options.profile  # the window of steps traced (`traced_steps`)
             self._iterator: Iterator[Checkpoint] | None = None
@@ -305,7 +312,10 @@ class TrainLoop:
         `optimizer_state`, the step's `carried` fields) returns it changed,
         with the same structure, dtypes and shapes; the next step starts
         from it, without compiling again, and the next checkpoint (and its
-        file) holds it. Writing to a `Checkpoint`'s arrays changes nothing.
+        file) holds it. Called in the loop's body, the checkpoint the body
+        holds (the newest, of this step) holds it too, so a file written
+        after the call has it: a resumed run trains on as this one does.
+        Writing to a `Checkpoint`'s arrays changes nothing.
         `flax_loop.run.hand` shows a call.
 
         Raises:

@@ -133,3 +133,56 @@ def test_a_scheduled_hyperparameter_is_refused_naming_the_schedule():
     second = loop.next_checkpoint()
     assert second.train_metrics["momentum"] == pytest.approx(0.0)
     assert second.train_metrics["learning_rate"] == pytest.approx(float(schedule(7)))
+
+
+def test_a_change_made_in_the_body_is_in_the_file_the_body_writes_after_it(tmp_path):
+    """ReduceLROnPlateau's shape: at checkpoint 4 the body halves the rate,
+    then writes; the file holds the halved rate and the run resumed from it
+    (keeping the file's rate) trains the bits of the run never stopped."""
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    writer = CheckpointFileWriter(output_dir=str(tmp_path), keep=5)
+    straight = sgd_loop(optimizer)
+    for checkpoint in straight:
+        if checkpoint.step == 4:
+            straight.set_hyperparams(learning_rate=0.05)
+            assert checkpoint.optimizer_state.hyperparams["learning_rate"] == np.float32(0.05)
+            writer(checkpoint)
+    file = CheckpointFileReader(dir=str(tmp_path), target=MODEL.init).read_newest()
+    assert file.step == 4
+    assert float(file.optimizer_state["hyperparams"]["learning_rate"]) == pytest.approx(0.05)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        checkpoint.model_params,
+        by_hand([0.1] * 4 + [0.05] * 4),
+    )
+
+
+def test_a_resumed_run_keeps_the_files_rate_when_asked_and_says_so(tmp_path):
+    """The halved rate set after checkpoint 4 is in the file written after
+    it; resumed with hyperparams="file", the run trains on at it, the bits
+    of plain SGD with the rate halved after step 4."""
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    first = sgd_loop(optimizer)
+    checkpoint = first.next_checkpoint()
+    first.set_hyperparams(learning_rate=0.05)
+    CheckpointFileWriter(output_dir=str(tmp_path))(checkpoint)
+    shown = io.StringIO()
+    set_console(Console(file=shown, width=300))
+    try:
+        reader = CheckpointFileReader(dir=str(tmp_path), target=MODEL.init)
+        resumed = sgd_loop(optimizer, init=reader, hyperparams="file")
+    finally:
+        set_console(None)
+    last = list(resumed)[-1]
+    assert last.step == 8 and last.train_metrics["learning_rate"] == pytest.approx(0.05)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        last.model_params,
+        by_hand([0.1] * 4 + [0.05] * 4),
+    )
+    said = " ".join(shown.getvalue().split())
+    assert (
+        "training goes on with the file's, as hyperparams='file' asks (learning_rate 0.05" in said
+    )
+    with pytest.raises(ConfigError, match="hyperparams must be one of"):
+        sgd_loop(optimizer, hyperparams="newest")

@@ -109,6 +109,15 @@ class Saved:
         carried = {name: tree for name, tree in arrays.items() if name not in self.CORE}
         return dataclasses.replace(self, **core, carried=carried)
 
+    def take_arrays(self, arrays: Mapping[str, Any]) -> None:
+        r"""Holds `arrays` (`{name: tree}`, as `arrays()` gives them) from now
+        on, in place: the loop's change of the state the caller's body holds
+        (`TrainLoop.update_state` at this checkpoint's step)."""
+        for name in self.CORE:
+            if name in arrays:
+                setattr(self, name, arrays[name])
+        self.carried = {name: tree for name, tree in arrays.items() if name not in self.CORE}
+
     def map_arrays(self: _Form, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> _Form:
         r"""A copy whose array fields are `fn(self.arrays())` (one call over
         all of them: one host transfer, one compiled program); the other

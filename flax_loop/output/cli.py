@@ -58,13 +58,12 @@ _WIDTH = None if sys.stdout.isatty() else 120
 
 
 def _version() -> str:
-    r"""The installed package's version (its metadata: no import of the package's API)."""
-    from importlib import metadata
+    r"""The running package's version (`flax_loop.__version__`: the package's
+    names load lazily, so this imports no JAX; an editable install's
+    metadata may be older than its source)."""
+    from flax_loop import __version__
 
-    try:
-        return metadata.version("flax_loop")
-    except metadata.PackageNotFoundError:  # a source tree that is not installed
-        return "(not installed)"
+    return __version__
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -114,7 +114,16 @@ def assemble(
     model = (init_fn, key, inputs, init_labels, mutable_collections)
     layout = StepLayout.of(options, placement, objective, task, model)
     start, key, step, step_key, state, shardings = _start(
-        init_fn, reader, objective, layout, placement, feed, key, stdout, model
+        init_fn,
+        reader,
+        objective,
+        layout,
+        placement,
+        feed,
+        key,
+        stdout,
+        model,
+        options.hyperparams == "file",
     )
     interrupted = None if placement.multiprocess else lambda: guard.interrupted
     finished = start.path is not None and 0 < n_steps <= step  # nothing left to train
@@ -212,6 +221,7 @@ def _start(
     key: Any,
     stdout: bool,
     model: tuple[Any, ...],
+    keep_hyperparams: bool = False,
 ) -> tuple[CheckpointFile, Any, int, Any, TrainState, TrainState | None]:
     r"""The state training starts from (the model's `init`, or the newest
     checkpoint of `reader`), the run's key, the step the processes agree on,
@@ -229,6 +239,7 @@ def _start(
         layout.fields_layout,
         layout.step,
         layout.program_key,
+        keep_hyperparams=keep_hyperparams,
     )
     # processes that built other models must not meet in a collective
     distributed.agree_on_structure("training states", start.arrays())

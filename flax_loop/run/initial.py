@@ -115,6 +115,7 @@ def initial_state(
     layout: Layout | None = None,
     step: Step | None = None,
     program_key: Hashable | None = None,
+    keep_hyperparams: bool = False,
 ) -> CheckpointFile:
     r"""The newest file of `reader`'s directory, or a fresh initialization at
     step 0 (a `CheckpointFile` whose `path` is `None`).
@@ -170,7 +171,7 @@ def initial_state(
         if restored is not None:
             restored = dataclasses.replace(restored, step=int(restored.step))
             _check_optimizer_order(restored, optimizer)
-            return _with_task_hyperparams(restored, optimizer)
+            return _with_task_hyperparams(restored, optimizer, keep_hyperparams)
     # a linen init by identity, with the labels and the optimizers of the
     # program key; an NNX module's init returns its own values (constants of
     # the program): compiled each time
@@ -222,26 +223,38 @@ def _check_optimizer_order(restored: CheckpointFile, optimizer: Any) -> None:
         )
 
 
-def _with_task_hyperparams(restored: CheckpointFile, optimizer: Any) -> CheckpointFile:
+def _with_task_hyperparams(
+    restored: CheckpointFile, optimizer: Any, keep: bool = False
+) -> CheckpointFile:
     r"""The restored state with the task's constant injected hyperparameters
-    (`optax.inject_hyperparams`) where the file holds others, said in one
-    line: the task says what to train with now."""
+    (`optax.inject_hyperparams`) where the file holds others, or with the
+    file's when `keep` (`TrainLoop(hyperparams="file")`: a rate the caller
+    set survives a restart); said in one line either way."""
     parts = getattr(optimizer, "parts", None)
     if parts is None or restored.optimizer_state is None:
         return restored
     states = optimizer.of_parts(restored.optimizer_state)
-    changes = []
+    changed_states, changes = list(states), []
     for index, part in enumerate(parts):
-        states[index], changed = task_hyperparams(states[index], part.optimizer)
+        changed_states[index], changed = task_hyperparams(states[index], part.optimizer)
         changes += [f"{'' if part.name is None else part.name + ' '}{c}" for c in changed]
     if not changes:
         return restored
+    if keep:
+        log(
+            f"{restored.path}'s injected hyperparameters differ from the task's: training "
+            f"goes on with the file's, as hyperparams='file' asks ({', '.join(changes)}; "
+            "the file's, then the task's).",
+            lead="Resumed:",
+        )
+        return restored
     log(
         f"The task's injected hyperparameters differ from {restored.path}'s: training "
-        f"goes on with the task's ({', '.join(changes)}; the file's -> the task's).",
+        f"goes on with the task's ({', '.join(changes)}; the file's -> the task's). "
+        "TrainLoop(hyperparams='file') keeps the file's.",
         lead="Resumed:",
     )
-    return dataclasses.replace(restored, optimizer_state=optimizer.by_part(states))
+    return dataclasses.replace(restored, optimizer_state=optimizer.by_part(changed_states))
 
 
 def _put_back_frozen(restored: CheckpointFile, initialize: Callable[[], Any]) -> CheckpointFile:

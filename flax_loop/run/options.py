@@ -28,6 +28,10 @@ from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding, check_shar
 DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
 r"""every collection but `intermediates` may change while training."""
 
+HYPERPARAMS = ("task", "file")
+r"""`TrainLoop(hyperparams=...)`: a resumed run's injected hyperparameters are
+the task's, or those its file holds."""
+
 Collections = Mapping[str, Sequence[str]]
 r"""RNG collection names by use, e.g. `{"init": ["params"], "apply": ["dropout"]}`."""
 
@@ -51,6 +55,7 @@ class Options:
     ema_decay: float | None = None
     profile: ProfileSteps | None = None
     prefetch: int | None = None
+    hyperparams: str = "task"
 
     def __post_init__(self) -> None:
         def checked(name: str, value: Any) -> None:
@@ -76,6 +81,11 @@ class Options:
             )
         if self.prefetch is not None:
             checked("prefetch", check_count("prefetch", self.prefetch, 0))
+        if self.hyperparams not in HYPERPARAMS:
+            raise ConfigError(
+                f"hyperparams must be one of {HYPERPARAMS} (which injected hyperparameters "
+                f"a resumed run trains with); got {self.hyperparams!r}."
+            )
 
 
 def as_reader(init: InitFn | Reader) -> tuple[InitFn, Reader | None]:

@@ -107,6 +107,8 @@ class Runner:
         self.profile = profile
         self.lost: str | None = None  # why the run cannot go on (an interrupt)
         self.stopped_by = ""  # what asked for the last stop (Ctrl-C, SIGTERM)
+        self.newest: Checkpoint | None = None
+        r"""the newest checkpoint made, which the caller's body may hold."""
         self.first_step = step
         r"""the step this process started from (set-up's)."""
         self.n_steps = n_steps
@@ -128,6 +130,11 @@ class Runner:
         if self.lost is not None:
             raise StateLostError(self.lost)
         self.state = changed_state(self.steps, self.state, self.step, fn)
+        newest = self.newest
+        if newest is not None and newest.step == self.step:
+            # The checkpoint the body holds is the state the next step
+            # takes: a file the body writes after the change holds it.
+            newest.take_arrays(self.steps.copier()(self.state))
 
     @contextlib.contextmanager
     def training(self, last_step: int) -> Iterator[None]:
@@ -333,6 +340,7 @@ class Runner:
         if step == intervals.start and not preempted:
             return None
         self.state, checkpoint = intervals.close(self.state, step, loss, ending, started, preempted)
+        self.newest = checkpoint
         # the checkpoint's copy and statistics: waiting for the devices
         _account(self, checkpoint, (started, mark), data, device, compiled_before)
         if preempted:
