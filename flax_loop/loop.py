@@ -229,6 +229,28 @@ class TrainLoop:
         r"""the number of completed steps."""
         return self._runner.step
 
+    @property
+    def caller_state(self) -> dict[str, Any]:
+        r"""Your loop body's own small state, saved with each checkpoint and
+        given back on resume: a dict of plain numbers, strings, lists and
+        dicts (a plateau's best loss and patience, an early stop's count).
+        Change it in the body before writing the checkpoint: the file holds
+        it as it is when written (`Checkpoint.caller_state`). A run resumed
+        from that file starts with it; a fresh run with `{}`.
+
+        >>> import jax, optax, numpy as np, flax.linen as nn
+        >>> from flax_loop import TrainLoop, TrainTask
+        >>> model = nn.Dense(2)
+        >>> task = TrainTask(model.apply, optax.sgd(0.1), lambda o, y: ((o - y) ** 2).mean(),
+        ...                  [(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))])
+        >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
+        ...                  n_steps=2, stdout=False)
+        >>> state = loop.caller_state.setdefault("plateau", {"best": None, "waited": 0})
+        >>> loop.next_checkpoint().caller_state
+        {'plateau': {'best': None, 'waited': 0}}
+        """
+        return self._runner.intervals.caller_state
+
     def memory_plan(self) -> dict[str, Any]:
         r"""The bytes each device holds while training, by part, and `total`
         (`flax_loop.run.memory`); set-up refuses a plan over a device's memory."""

@@ -3,6 +3,9 @@
 compiling the step again, and the next checkpoint holds it."""
 
 import io
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -13,7 +16,15 @@ from rich.console import Console
 from flax_loop import CheckpointFileReader, CheckpointFileWriter, set_console
 from flax_loop.errors import ConfigError
 from flax_loop.random import init_key, into_collection
-from tests.helpers import MLP, ResumableBatches, cross_entropy, digits_loop, digits_split
+from tests.flags import xla_flags
+from tests.helpers import (
+    MLP,
+    ROOT,
+    ResumableBatches,
+    cross_entropy,
+    digits_loop,
+    digits_split,
+)
 
 X, Y, _, _ = digits_split()
 MODEL = MLP(features=(32,))
@@ -186,3 +197,86 @@ def test_a_resumed_run_keeps_the_files_rate_when_asked_and_says_so(tmp_path):
     )
     with pytest.raises(ConfigError, match="hyperparams must be one of"):
         sgd_loop(optimizer, hyperparams="newest")
+
+
+KILL_AFTER_WRITE = """
+import os, signal
+import flax_loop
+
+_at, _write = int(os.environ.get("KILL_AT", "0")), flax_loop.CheckpointFileWriter.__call__
+
+
+def _write_then_maybe_die(self, checkpoint):
+    written = _write(self, checkpoint)
+    print("WROTE", checkpoint.step, flush=True)
+    if checkpoint.step == _at:
+        os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
+    return written
+
+
+flax_loop.CheckpointFileWriter.__call__ = _write_then_maybe_die
+_set = flax_loop.TrainLoop.set_hyperparams
+
+
+def _noted(self, **values):
+    print("HALVED", self.step, flush=True)
+    return _set(self, **values)
+
+
+flax_loop.TrainLoop.set_hyperparams = _noted
+"""
+
+
+def plateau_recipe():
+    """own_step.md's ReduceLROnPlateau block as a program, with what it
+    continues from (the imports, the model, the data), as a reader runs it."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "guides", "own_step.md")) as guide:
+        blocks = re.findall(r"```python\n(.*?)```", guide.read(), re.S)
+    recipe = next(block for block in blocks if "caller_state" in block)
+    model = next(block for block in blocks if "class Regressor" in block)
+    model = model[model.index("class Regressor") : model.index("def scaled")]
+    data = [line for line in next(b for b in blocks if "\nx = " in b).splitlines()]
+    data = "\n".join(line for line in data if line.startswith(("x = ", "y = ")))
+    imports = "import flax.linen as nn\nimport jax\nimport numpy as np\nimport optax\n"
+    imports += "from flax_loop import TrainLoop, TrainTask\n"
+    return KILL_AFTER_WRITE + imports + model + data + "\n" + recipe
+
+
+def test_the_plateau_recipe_resumes_bit_for_bit_after_sigkill(tmp_path):
+    """Killed right after the file that first holds a halved rate (and, with
+    FLAX_LOOP_SLOW=1, after every file), then run again: the same final
+    file (step, parameters, optimizer state, the recipe's counters) as the
+    run never stopped."""
+    program = tmp_path / "plateau.py"
+    program.write_text(plateau_recipe())
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+
+    def run(directory, kill_at=0):
+        directory.mkdir(exist_ok=True)
+        result = subprocess.run(
+            [sys.executable, str(program)], cwd=directory, env={**env, "KILL_AT": str(kill_at)},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == (-9 if kill_at else 0), result.stdout + result.stderr
+        return result.stdout
+
+    said = run(tmp_path / "straight")
+    halved = [int(line.split()[1]) for line in said.splitlines() if line.startswith("HALVED")]
+    written = [int(line.split()[1]) for line in said.splitlines() if line.startswith("WROTE")]
+    assert halved and written[-1] < 400  # it halved the rate, and stopped early
+    straight = CheckpointFileReader(
+        dir=str(tmp_path / "straight" / "plateau"), target=None
+    ).read_newest()
+    kill_points = written[:-1] if os.environ.get("FLAX_LOOP_SLOW") else [halved[0]]
+    for kill_at in kill_points:
+        directory = tmp_path / f"killed-{kill_at}"
+        run(directory, kill_at)
+        run(directory)  # run again: resumes from the file of step `kill_at`
+        resumed = CheckpointFileReader(dir=str(directory / "plateau"), target=None).read_newest()
+        assert resumed.step == straight.step and resumed.caller_state == straight.caller_state
+        for a, b in zip(jax.tree.leaves(resumed.arrays()), jax.tree.leaves(straight.arrays())):
+            np.testing.assert_array_equal(a, b)
+        again = run(directory)  # a third run: stopped early before, trains nothing
+        assert "WROTE" not in again

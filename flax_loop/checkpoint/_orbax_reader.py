@@ -177,6 +177,7 @@ class OrbaxCheckpointReader:
             version=FORMAT_VERSION,
             rnkey=restore_key(meta, where),
             data_state=meta.get("data_state"),
+            caller_state=meta.get("caller_state"),
             optimizer_names=_names(meta.get("optimizers")),
             path=where,
         )

@@ -88,6 +88,8 @@ def encode_meta(file: CheckpointFile) -> dict[str, Any]:
         meta["rnkey"] = {"impl": impl, "data": np.asarray(data).tolist()}
     if file.data_state is not None:
         meta["data_state"] = file.data_state
+    if file.caller_state:
+        meta["caller_state"] = file.caller_state
     if file.optimizer_names is not None:
         meta["optimizers"] = list(file.optimizer_names)
     packed = msgpack.packb(meta, use_bin_type=True)

@@ -117,6 +117,7 @@ class CheckpointFileReader:
                 version=int(meta.get("version", 0)),
                 rnkey=restore_key(meta, path),
                 data_state=meta.get("data_state"),
+                caller_state=meta.get("caller_state"),
                 path=path,
                 left_out=LeftOut.from_meta(meta.get("frozen")),
                 optimizer_names=_names(meta.get("optimizers")),

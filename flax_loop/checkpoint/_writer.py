@@ -269,6 +269,7 @@ def _to_host_memory(file: CheckpointFile) -> CheckpointFile:
         file.map_arrays(to_host),
         metrics=copy.deepcopy(file.metrics),
         data_state=copy.deepcopy(file.data_state),
+        caller_state=copy.deepcopy(file.caller_state),
     )
 
 

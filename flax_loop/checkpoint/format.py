@@ -275,6 +275,8 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
         "metrics": _metrics_to_file(file.metrics),
         "data_state": file.data_state,
     }
+    if file.caller_state:
+        meta["caller_state"] = file.caller_state
     if file.left_out is not None:
         meta["frozen"] = file.left_out.to_meta()
     if file.optimizer_names is not None:
@@ -293,8 +295,8 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
             except (TypeError, ValueError) as error:
                 raise CheckpointError(
                     f"Cannot encode the checkpoint for {final}: {error}. The data "
-                    "iterator's state and metrics must be plain numbers, strings, "
-                    "bytes, lists and dicts."
+                    "iterator's state, the metrics and loop.caller_state must be "
+                    "plain numbers, strings, bytes, lists and dicts."
                 ) from None
             stream.flush()
             if fsync:

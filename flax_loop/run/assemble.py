@@ -135,6 +135,7 @@ def assemble(
         _say_hint(per_device_note(placement.batch_axis), stdout)
     trained_part = objective.trained(start.model_params)
     intervals = _intervals(steps, placement, feed, key, options, step, objective, layout)
+    intervals.caller_state.update(start.caller_state or {})  # a resumed run's
     setup_seconds = time.perf_counter() - started
     runner = Runner(
         steps.state,

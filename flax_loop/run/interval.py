@@ -132,6 +132,9 @@ class Intervals:
         self._frozen = frozen  # `Checkpoint.frozen`
         self._mirrors = mirrors_params  # `Checkpoint.mirrors_params`
         self._optimizer_names = optimizer_names  # `Checkpoint.optimizer_names`
+        self.caller_state: dict[str, Any] = {}
+        r"""`TrainLoop.caller_state`: every checkpoint holds this one dict, so
+        a file holds it as the body left it when the file is written."""
         self._rnkey, self._raise_nonfinite = rnkey, raise_nonfinite
         self.start = step
         r"""the step the current interval started after."""
@@ -224,6 +227,7 @@ class Intervals:
             step=step,
             rnkey=self._rnkey,
             data_state=self._feed.state(step),
+            caller_state=self.caller_state,
             optimizer_names=self._optimizer_names,
         ).with_arrays(arrays)
 
