@@ -96,3 +96,23 @@ def check_count(name: str, value: object, minimum: int, maximum: int | None = No
     if maximum is not None and value > maximum:
         raise ConfigError(f"{name} must be <= {maximum:,}; got {value:,}.")
     return int(value)
+
+
+_JAX_FRAMES_NOTE = "JAX has removed its internal frames"
+
+
+def last_word(error: BaseException) -> BaseException:
+    r"""`error` made to end what a user sees: JAX's note on the frames it
+    removed dropped (our message is then the last line printed) and the
+    traceback through the tracing internals cut (raise it `from None` at
+    flax_loop's boundary: the traceback starts there).
+
+    >>> error = ConfigError("task.apply must be ...")
+    >>> error.add_note("-----\nFor simplicity, JAX has removed its internal frames ...")
+    >>> last_word(error).__notes__
+    []
+    """
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:
+        error.__notes__ = [note for note in notes if _JAX_FRAMES_NOTE not in note]
+    return error.with_traceback(None)

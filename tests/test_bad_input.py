@@ -425,3 +425,41 @@ def test_an_error_raised_while_tracing_the_step_names_the_first_batch(tmp_path):
         "tracing the training step" in note and "targets (32,) int32" in note
         for note in raised.value.__notes__
     )
+
+
+LOSS_WITH_LOGITS = """
+import jax, numpy as np, optax
+import flax.linen as nn
+from flax_loop import TrainLoop, TrainTask
+
+model = nn.Dense(3)
+
+
+def loss(logits, labels):  # returns the logits too
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+
+batch = (np.ones((8, 4), np.float32), np.zeros(8, np.int32))
+TrainLoop(init=model.init, task=TrainTask(model.apply, optax.sgd(0.1), loss, [batch]),
+          rnkey=jax.random.key(0), n_steps=2, progress=False)
+"""
+
+
+def test_a_mistake_found_while_tracing_is_the_last_thing_printed():
+    """The error a user needs ends the output (no note of JAX's after it, no
+    traceback through the tracing internals), and names arrays by dtype and
+    shape, never by JAX's tracer types."""
+    import subprocess
+    import sys
+
+    from tests.flags import xla_flags
+    from tests.helpers import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "-c", LOSS_WITH_LOGITS], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "XLA_FLAGS": xla_flags(1)}, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) < 25, result.stderr
+    assert lines[-1].startswith("flax_loop.errors.LossError: The loss function returned a tuple")
+    assert "(float32[], float32[8, 3])" in lines[-1] and "Tracer" not in result.stderr

@@ -36,7 +36,7 @@ from flax_loop.checkpoint import CheckpointFile
 from flax_loop.data.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.data.source import NoData
-from flax_loop.errors import ConfigError, FlaxLoopError, LossError
+from flax_loop.errors import ConfigError, FlaxLoopError, LossError, last_word
 from flax_loop.log import console, is_main_process, log
 from flax_loop.parallel import Placement
 from flax_loop.random import as_typed_key, labels_of, train_key
@@ -361,12 +361,16 @@ def _compiled(
         ) from None
     except Exception as error:
         if isinstance(error, TypeError):
-            refuse_float_labels(error, getattr(feed.spec, "targets", ()))
-        if not isinstance(error, FlaxLoopError):
-            error.add_note(
-                "flax_loop: raised while tracing the training step (the model and "
-                f"the loss) on the first batch: {feed.spec.describe()}."
-            )
+            try:
+                refuse_float_labels(error, getattr(feed.spec, "targets", ()))
+            except FlaxLoopError as refused:
+                raise last_word(refused) from None
+        if isinstance(error, FlaxLoopError):  # its message is the last word
+            raise last_word(error) from None
+        error.add_note(
+            "flax_loop: raised while tracing the training step (the model and "
+            f"the loss) on the first batch: {feed.spec.describe()}."
+        )
         raise
 
 

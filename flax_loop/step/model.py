@@ -122,7 +122,7 @@ def split_loss(value: Any, per_device: bool) -> tuple[jax.Array, dict[str, jax.A
 
 def check_loss(loss: Any, per_device: bool) -> jax.Array:
     if isinstance(loss, (tuple, list)):
-        kinds = ", ".join(type(item).__name__ for item in loss)
+        kinds = ", ".join(_described(item) for item in loss)
         raise LossError(
             f"The loss function returned a {type(loss).__name__} of {len(loss)} ({kinds}); "
             "it returns the loss, a floating-point scalar, or (loss, {name: scalar}) to "
@@ -278,3 +278,16 @@ def refuse_float_labels(error: TypeError, targets: Any) -> None:
             "Give the labels as integers: y.astype(np.int32) where the batches are made "
             "(or labels.astype(jnp.int32) in the loss)."
         ) from None
+
+
+def _described(value: Any) -> str:
+    r"""A value as a user wrote it: an array by its dtype and shape (a traced
+    one's type is JAX's business), anything else by its type.
+
+    >>> _described(jnp.zeros((8, 3))), _described({"a": 1})
+    ('float32[8, 3]', 'dict')
+    """
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{dtype}{list(shape)}"
+    return type(value).__name__
