@@ -11,7 +11,10 @@ one place (a notebook, a test, a log file):
 """
 
 import math
+import os
+import sys
 import threading
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
@@ -27,8 +30,40 @@ def console() -> Console:
     global _console
     with _lock:
         if _console is None:
-            _console = Console(highlight=False)
+            _console = Console(highlight=False, file=_Stdout())  # type: ignore[arg-type]
         return _console
+
+
+class _Stdout:
+    r"""`sys.stdout` as the default console writes to it: a reader that went
+    away (`python train.py | head -1`) ends the output, never the training.
+    At the first broken pipe stdout is pointed at the null device, so later
+    writes (the interpreter's last flush included) succeed unseen."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stdout.write(text)
+        except BrokenPipeError:
+            _silence_stdout()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _silence_stdout()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(sys.stdout, name)
+
+
+def _silence_stdout() -> None:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no file descriptor: nothing to point
+        pass
 
 
 def set_console(new: Console | None) -> Console | None:

@@ -45,7 +45,9 @@ def test_docstring_example(module, test):
     # Each example stands alone, as `pytest --doctest-modules --pyargs
     # flax_loop` runs it: its module's names and its own imports, nothing else.
     test.globs = dict(vars(module))
-    set_console(Console(file=io.StringIO()))  # messages are not part of the examples
+    # the console a reader's run has: what it prints is part of the example
+    # (the doctest runner reads stdout, where the default console writes)
+    set_console(None)
     runner = doctest.DocTestRunner(
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
     )

@@ -399,6 +399,30 @@ def test_an_unknown_optimizer_name_is_named():
         loop_of(wrong_name)
 
 
+def test_gradients_not_shaped_as_the_parameters_are_named():
+    """A sub-tree of the gradients, or a gradient of another (broadcastable)
+    shape, is refused naming apply_gradients, the paths and the shapes."""
+
+    def grads_of(state, batch):
+        x, y = batch
+        return jax.grad(lambda p: ((state.model(p)(x) - y) ** 2).mean())(state.params)
+
+    def subtree(state, batch, *, rng, step):
+        grads = grads_of(state, batch)
+        return state.apply_gradients({"Dense_0": grads["Dense_0"]}), {"loss": jnp.float32(0)}
+
+    def broadcast(state, batch, *, rng, step):
+        grads = grads_of(state, batch)
+        bias = grads["Dense_1"]["bias"]
+        grads["Dense_1"]["bias"] = bias.sum(keepdims=True) if bias.shape != (1,) else bias[0]
+        return state.apply_gradients(grads), {"loss": jnp.float32(0)}
+
+    with pytest.raises(ConfigError, match=r"state.apply_gradients: .*missing \['Dense_1/bias'"):
+        loop_of(subtree)
+    with pytest.raises(ConfigError, match=r"gradient of Dense_1/bias has the shape"):
+        loop_of(broadcast)
+
+
 def test_an_update_given_with_a_loss_or_a_carry_without_one_is_refused():
     with pytest.raises(ConfigError, match="task has both loss and update"):
         TrainLoop(

@@ -16,6 +16,7 @@ from flax_loop import (
 )
 from flax_loop.checkpoint import lock, parse
 from flax_loop.errors import CheckpointError
+from tests.flags import xla_flags
 from tests.helpers import (
     MLP,
     ROOT,
@@ -225,3 +226,34 @@ def test_jax_arrays_committed_to_one_device_are_accepted():
     )
     a, b = list(as_numpy)[-1], list(as_jax)[-1]
     assert relative_difference(a.model_params, b.model_params) < 1e-6
+
+
+PIPED = """
+import sys, jax, numpy as np, optax
+import flax.linen as nn
+from flax_loop import CheckpointFileWriter, SummaryLogger, TrainLoop, TrainTask
+
+model = nn.Dense(3)
+loss = lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean()
+batch = (np.ones((8, 4), np.float32), np.zeros(8, np.int32))
+loop = TrainLoop(init=model.init, task=TrainTask(model.apply, optax.sgd(0.1), loss, [batch]),
+                 rnkey=jax.random.key(0), n_steps=40, n_steps_per_checkpoint=4)
+write, log = CheckpointFileWriter(output_dir=sys.argv[1], keep=20), SummaryLogger()
+for checkpoint in loop:
+    write(log(checkpoint))
+"""
+
+
+def test_a_console_that_went_away_does_not_end_training(tmp_path):
+    """`python train.py | head -1`: the reader leaves after one line; the run
+    trains to its end and writes every file, exit status 0."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", PIPED, str(tmp_path / "ckpts")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+        env={**os.environ, "XLA_FLAGS": xla_flags(1)},
+    )  # fmt: skip
+    assert process.stdout.readline().startswith(b"Model:")
+    process.stdout.close()  # as `head -1` does
+    _, errors = process.communicate(timeout=120)
+    assert process.returncode == 0, errors.decode()
+    assert (tmp_path / "ckpts" / "regular.40.ckpt").exists()

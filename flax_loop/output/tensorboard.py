@@ -39,6 +39,7 @@ class SummaryWriter:
     >>> writer = SummaryWriter(output_dir=str(tmp / "runs"))
     >>> for checkpoint in loop:
     ...     _ = writer(eval_loop(checkpoint))   # or writer(checkpoint): its train statistics
+    TensorBoard: tensorboard --logdir ... shows the events.
     >>> writer.close()
     >>> [name.split(".")[0] for name in os.listdir(tmp / "runs")]
     ['events']

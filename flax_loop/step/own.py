@@ -46,6 +46,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 
 from flax_loop.errors import ConfigError, LossError
+from flax_loop.parallel import key_names
 from flax_loop.random import loss_key, step_keys
 from flax_loop.step.carry import CARRY, pmean_floating, with_carry
 from flax_loop.step.core import Context, Fields, Outcome, Step, chain
@@ -174,6 +175,7 @@ class StepState:
             env.objective.of_parts(self.opt_state),
             env.objective.of_parts(self.grads),
         )
+        _check_gradients(grads, self.params, name)
         trainable = partition.split(self.params)
         applied = partition.split(grads)
         if env.axis_name is not None:
@@ -189,6 +191,33 @@ class StepState:
             opt_state=env.objective.by_part(states),
             grads=env.objective.by_part(all_grads),
         )
+
+
+def _check_gradients(grads: Any, params: Any, name: str | None) -> None:
+    r"""A `ConfigError` (while tracing) unless `grads` is shaped as the
+    parameters: the same tree, each leaf of its parameter's shape (a
+    broadcastable one would train, wrongly)."""
+    where = "state.apply_gradients" + ("" if name is None else f"(name={name!r})")
+    wanted = jax.tree_util.tree_flatten_with_path(params)[0]
+    given = jax.tree_util.tree_flatten_with_path(grads)[0]
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        want = {"/".join(key_names(path)) for path, _ in wanted}
+        have = {"/".join(key_names(path)) for path, _ in given}
+        missing, unknown = sorted(want - have), sorted(have - want)
+        raise ConfigError(
+            f"{where}: the gradients must be a tree shaped as state.params (differentiate "
+            f"with respect to state.params, or a value state.model(params) was given); "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            + (f", not parameters {unknown[:5]}" if unknown else "")
+            + "."
+        )
+    for (path, parameter), (_, gradient) in zip(wanted, given):
+        if jnp.shape(gradient) != jnp.shape(parameter):
+            raise ConfigError(
+                f"{where}: the gradient of {'/'.join(key_names(path))} has the shape "
+                f"{tuple(jnp.shape(gradient))}; its parameter's is "
+                f"{tuple(jnp.shape(parameter))}. A gradient has its parameter's shape."
+            )
 
 
 def own_step(
