@@ -200,7 +200,7 @@ def _check_gradients(grads: Any, params: Any, name: str | None) -> None:
     where = "state.apply_gradients" + ("" if name is None else f"(name={name!r})")
     wanted = jax.tree_util.tree_flatten_with_path(params)[0]
     given = jax.tree_util.tree_flatten_with_path(grads)[0]
-    if jax.tree.structure(grads) != jax.tree.structure(params):
+    if jax.tree.structure(grads) != jax.tree.structure(params):  # type: ignore[operator]
         want = {"/".join(key_names(path)) for path, _ in wanted}
         have = {"/".join(key_names(path)) for path, _ in given}
         missing, unknown = sorted(want - have), sorted(have - want)
