@@ -215,3 +215,32 @@ def test_version_and_verify_of_one_file(files, capsys):
     assert status == 0 and "regular.6.ckpt intact." in out
     status, out = inspect("verify", files / "regular.4.ckpt")  # a flipped byte
     assert status == 1 and out.startswith("damaged: ") and "Traceback" not in out
+
+
+def test_verify_names_what_stands_where_a_directory_or_file_was_expected(tmp_path, checkpoints):
+    """A folder named like a file holds no checkpoint (exit 1); nothing, a
+    FIFO or a looping link is named as what it is; a looping link among good
+    files is reported as damaged, and a resume reads the newest intact one."""
+    from flax_loop import CheckpointFileReader
+
+    (tmp_path / "named" / "regular.6.ckpt").mkdir(parents=True)
+    status, out = inspect("verify", tmp_path / "named" / "regular.6.ckpt")
+    assert status == 1 and "holds no checkpoint" in out
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink("l2", tmp_path / "l1")
+    os.symlink("l1", tmp_path / "l2")
+    for name, what in (("nothing", "nothing is there"), ("fifo", "mode prw"),
+                       ("l1", "a symbolic link that loops")):  # fmt: skip
+        status, out = inspect("verify", tmp_path / name)
+        assert status == 2 and "is not a directory: " in out and what in out
+    good = tmp_path / "good"
+    with CheckpointFileWriter(output_dir=str(good), keep=5) as writer:
+        for checkpoint in checkpoints:
+            writer(checkpoint)
+    os.symlink("loop", good / "regular.99.ckpt")
+    os.symlink("regular.99.ckpt", good / "loop")
+    status, out = inspect("verify", good)
+    assert status == 1 and "regular.99.ckpt is not a checkpoint: a symbolic link that loops" in out
+    assert f"{len(checkpoints)} of {len(checkpoints) + 1} checkpoints" in out
+    newest = CheckpointFileReader(dir=str(good), target=None).read_newest()
+    assert newest.step == checkpoints[-1].step

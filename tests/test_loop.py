@@ -478,7 +478,7 @@ def test_help_shows_the_contract_and_short_types():
 
     signature = str(inspect.signature(TrainLoop))
     assert "typing." not in signature and "Union[" not in signature and "flax.core" not in signature
-    assert len(signature) < 720  # 20 arguments, public type names
+    assert len(signature) < 760  # 21 arguments, public type names
     doc = inspect.getdoc(TrainLoop)
     assert doc.splitlines()[0].startswith("Trains a model and yields a `Checkpoint`")
     assert "`n_steps` is the total to train to" in " ".join(doc.split()[:60])

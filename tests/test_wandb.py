@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from flax_loop import EvalLoop, EvalTask, WandbWriter
-from flax_loop.errors import ConfigError
+from flax_loop.errors import CheckpointError, ConfigError
 from tests.helpers import MLP, accuracy, digits_split, hand_trained
 
 wandb_proto = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -102,3 +102,18 @@ def test_a_run_without_dir_goes_under_the_current_directory(tmp_path, monkeypatc
 def test_bad_arguments_are_named():
     with pytest.raises(ConfigError, match="config must be a dict"):
         WandbWriter(config=[("learning_rate", 1e-2)])
+
+
+def test_a_folder_it_cannot_write_to_is_named(tmp_path, monkeypatch):
+    """W&B put such a run in its temporary folder without a word. (Root
+    writes anywhere: a folder without write permission is simulated.)"""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (checkpoint,) = hand_trained(1, 1)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match="cannot make dir=.*a-file/run"):
+        WandbWriter(project="digits", dir=str(tmp_path / "a-file" / "run"), stdout=False)(
+            checkpoint
+        )
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(CheckpointError, match="cannot write under dir=.*no write permission"):
+        WandbWriter(project="digits", dir=str(tmp_path), stdout=False)(checkpoint)

@@ -74,9 +74,9 @@ class Saved:
     (restored with `set_state` on resume)."""
 
     caller_state: Any = field(default=None, kw_only=True, repr=False)
-    r"""your loop body's own small state (`TrainLoop.caller_state`: plain
-    numbers, strings, lists and dicts, such as a plateau's best loss and
-    patience), as it is when the file is written; given back on resume."""
+    r"""the loop body's own small state, `TrainLoop.caller_state`, as it is
+    when the file is written (plain numbers, strings, lists and dicts, such
+    as a plateau's best loss and patience); given back on resume."""
 
     optimizer_names: tuple[str, ...] | None = field(default=None, kw_only=True, repr=False)
     r"""with a dict of optimizers, their names in the order each step runs

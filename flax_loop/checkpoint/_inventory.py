@@ -22,8 +22,10 @@ The answers `flax-loop ls`, `verify` and `show` print, for programs too:
 [('regular.3.ckpt', 'intact', False), ('regular.4.ckpt', 'intact', True)]
 """
 
+import errno
 import os
 import re
+import stat
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +129,7 @@ def list_checkpoints(directory: str) -> list[CheckpointEntry]:
         CheckpointError: if `directory` is not a readable directory.
     """
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory!r} is not a directory.")
+        raise CheckpointError(f"{directory!r} is not a directory: {_what_is(directory)}.")
     if _is_orbax(directory):
         return _orbax_entries(directory)
     entries = []
@@ -138,10 +140,10 @@ def list_checkpoints(directory: str) -> list[CheckpointEntry]:
         path = os.path.join(directory, name)
         try:
             status = os.stat(path)
-        except FileNotFoundError:
+        except OSError:
             if not os.path.lexists(path):
                 continue  # removed since the listing (a writer pruning it)
-            status = os.lstat(path)  # a symbolic link to nothing
+            status = os.lstat(path)  # a symbolic link to nothing, or one that loops
         size = _directory_size(path) if os.path.isdir(path) else status.st_size
         kind = match.group("kind")
         metric = ""
@@ -160,6 +162,23 @@ def list_checkpoints(directory: str) -> list[CheckpointEntry]:
         if intact:
             max(intact, key=lambda entry: entry.step).resume = True
     return entries
+
+
+def _what_is(path: str) -> str:
+    r"""What stands at `path`, for a message that says why it is no directory.
+
+    >>> _what_is("/no/such/place")
+    'nothing is there'
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else "nothing is there"
+    except OSError as error:
+        return "a symbolic link that loops" if error.errno == errno.ELOOP else str(error)
+    if stat.S_ISREG(mode):
+        return "a file"
+    return f"not a file nor a directory (mode {stat.filemode(mode)})"
 
 
 def _verify_file(entry: CheckpointEntry) -> None:

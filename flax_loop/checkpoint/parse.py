@@ -124,6 +124,12 @@ def _open_regular(path: str) -> BinaryIO:
             else error.strerror or str(error)
         )
         raise CheckpointCorruptError(f"{path} is not a checkpoint: {what}.") from error
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise CheckpointCorruptError(
+            f"{path} is not a checkpoint: a symbolic link that loops (to {os.readlink(path)!r})."
+        ) from error
     mode = os.fstat(descriptor).st_mode
     if stat.S_ISDIR(mode):  # the system's answer, as for any file it cannot read
         os.close(descriptor)

@@ -58,12 +58,13 @@ _WIDTH = None if sys.stdout.isatty() else 120
 
 
 def _version() -> str:
-    r"""The running package's version (`flax_loop.__version__`: the package's
-    names load lazily, so this imports no JAX; an editable install's
-    metadata may be older than its source)."""
-    from flax_loop import __version__
+    r"""The installed package's version (its metadata: no import of the package's API)."""
+    from importlib import metadata
 
-    return __version__
+    try:
+        return metadata.version("flax_loop")
+    except metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "(not installed)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -177,6 +178,9 @@ def _verify(directory: str, console: Console) -> int:
         console.print(f"{directory} intact.", markup=False)
         return EXIT_OK
     entries = list_checkpoints(directory)
+    if not entries:  # nothing a resume could read: the check fails
+        console.print(f"{directory} holds no checkpoint.", markup=False)
+        return EXIT_DAMAGED
     bad = [entry for entry in entries if not entry.intact]
     for entry in bad:
         console.print(f"{entry.status}: {_problem(entry)}", markup=False)

@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from flax_loop.checkpoint import Checkpoint, as_summary, expect
-from flax_loop.errors import ConfigError
+from flax_loop.errors import CheckpointError, ConfigError
 from flax_loop.log import is_main_process
 
 
@@ -94,6 +94,17 @@ class WandbWriter:
         return None if self.run is None else str(self.run.id)
 
     def _start(self) -> Any:
+        folder = os.getcwd() if self.dir is None else os.fspath(self.dir)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(f"WandbWriter cannot make dir={folder!r}: {error}.") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            # W&B would put the run elsewhere (its temporary folder), saying nothing
+            raise CheckpointError(
+                f"WandbWriter cannot write under dir={folder!r} (no write permission): give "
+                "a folder it can write to."
+            )
         wandb = _wandb()
         settings = self.init.pop("settings", None)
         if not self.stdout:
@@ -102,7 +113,7 @@ class WandbWriter:
             project=self.project,
             name=self.name,
             config=self.config,
-            dir=os.getcwd() if self.dir is None else self.dir,
+            dir=folder,
             settings=settings,
             reinit="create_new",  # a second writer in one process: a run of its own
             **self.init,
