@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from flax_loop import distributed
 from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.errors import ConfigError, check_count
+from flax_loop.log import console, is_main_process
 from flax_loop.parallel import DATA_AXIS
 from flax_loop.run.assemble import assemble
 from flax_loop.run.hand import hyperparams_changer
@@ -48,6 +49,7 @@ from flax_loop.run.initial import InitFn, Reader
 from flax_loop.run.options import DEFAULT_MUTABLE_COLLECTIONS, Collections, Options
 from flax_loop.run.preemption import quiet_interrupt
 from flax_loop.run.profiling import ProfileSteps
+from flax_loop.run.progress import SetUpStatus
 from flax_loop.step.compiled import CompiledSteps
 from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding
 from flax_loop.task import TrainTask
@@ -210,19 +212,14 @@ class TrainLoop:
             self._optimizers: dict[str | None, Any] = (
                 dict(optimizer) if isinstance(optimizer, Mapping) else {None: optimizer}
             )
-            self._runner = assemble(
-                init,
-                task,
-                rnkey,
-                input_sample,
-                every,
-                collections,
-                mutable_collections,
-                devices,
-                stdout,
-                options,
-                n_steps,
-            )
+            status = SetUpStatus(console(), shown=stdout and is_main_process())
+            try:
+                self._runner = assemble(
+                    init, task, rnkey, input_sample, every, collections, mutable_collections,
+                    devices, stdout, options, n_steps, say=status,
+                )  # fmt: skip
+            finally:
+                status.stop()
 
     @property
     def step(self) -> int:
@@ -231,24 +228,10 @@ class TrainLoop:
 
     @property
     def caller_state(self) -> dict[str, Any]:
-        r"""Your loop body's own small state, saved with each checkpoint and
+        r"""your loop body's own small state, saved with every checkpoint and
         given back on resume: a dict of plain numbers, strings, lists and
-        dicts (a plateau's best loss and patience, an early stop's count).
-        Change it in the body before writing the checkpoint: the file holds
-        it as it is when written (`Checkpoint.caller_state`). A run resumed
-        from that file starts with it; a fresh run with `{}`.
-
-        >>> import jax, optax, numpy as np, flax.linen as nn
-        >>> from flax_loop import TrainLoop, TrainTask
-        >>> model = nn.Dense(2)
-        >>> task = TrainTask(model.apply, optax.sgd(0.1), lambda o, y: ((o - y) ** 2).mean(),
-        ...                  [(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))])
-        >>> loop = TrainLoop(init=model.init, task=task, rnkey=jax.random.key(0),
-        ...                  n_steps=2, stdout=False)
-        >>> state = loop.caller_state.setdefault("plateau", {"best": None, "waited": 0})
-        >>> loop.next_checkpoint().caller_state
-        {'plateau': {'best': None, 'waited': 0}}
-        """
+        dicts (a plateau's best loss and patience). A file holds it as the
+        body left it when the file is written; a fresh run starts with `{}`."""
         return self._runner.intervals.caller_state
 
     def memory_plan(self) -> dict[str, Any]:

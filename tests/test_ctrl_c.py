@@ -200,6 +200,8 @@ def test_in_a_terminal_one_ctrl_c_stops_after_the_bar_s_last_line():
     bar = [line for line in before.splitlines() if "steps/s" in line]
     assert bar and "loss " in bar[-1] and "/10,000,000" in bar[-1], before[-3000:]
     assert "stopping (Ctrl-C: stop now)" in before
+    # set-up said what it was doing as it did it, on a line the bar replaced
+    assert "flax_loop: compiling the step" in before.split("Model:")[0], before[:3000]
     assert "steps/s" not in after  # nothing of the bar after the closing line
 
 

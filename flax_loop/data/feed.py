@@ -46,9 +46,10 @@ from typing import Any
 import jax
 
 from flax_loop import distributed
-from flax_loop.data.batch import Batch, BatchSpec, normalize_batch, stack
+from flax_loop.data.batch import Batch, BatchSpec, normalize_batch
 from flax_loop.data.readahead import GAVE_UP, ReadAhead
 from flax_loop.data.source import CheckedBatches
+from flax_loop.data.stack import stack
 from flax_loop.log import log
 from flax_loop.parallel import Placement
 

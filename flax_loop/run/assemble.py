@@ -36,11 +36,12 @@ from flax_loop.checkpoint import CheckpointFile
 from flax_loop.data.batch import Batch, BatchTree, normalize_batch, normalize_group
 from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.data.source import NoData
-from flax_loop.errors import ConfigError, FlaxLoopError, LossError, last_word
+from flax_loop.errors import ConfigError
 from flax_loop.log import console, is_main_process, log
 from flax_loop.parallel import Placement
 from flax_loop.random import as_typed_key, labels_of, train_key
 from flax_loop.run import compile_cache
+from flax_loop.run.compiling import compiled_at_set_up
 from flax_loop.run.initial import (
     InitFn,
     Reader,
@@ -51,7 +52,7 @@ from flax_loop.run.initial import (
     start_fields,
 )
 from flax_loop.run.interval import Intervals
-from flax_loop.run.layout import StepLayout, per_device_note
+from flax_loop.run.layout import StepLayout
 from flax_loop.run.memory import check_fits, describe_model, format_plan, fullest
 from flax_loop.run.options import (
     DEFAULT_MUTABLE_COLLECTIONS,
@@ -64,13 +65,10 @@ from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
 from flax_loop.run.throughput import TimeBreakdown, meter
 from flax_loop.step.compiled import CompiledSteps
-from flax_loop.step.lowering import PER_DEVICE_MODES
-from flax_loop.step.model import refuse_float_labels
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
 from flax_loop.step.several import as_one, is_several
 from flax_loop.step.state import TrainState
-from flax_loop.step.statistics import counted
 from flax_loop.task import TrainTask, check_train_task
 
 
@@ -86,6 +84,7 @@ def assemble(
     stdout: bool = True,
     options: Options | None = None,
     n_steps: int = 0,
+    say: Callable[[str], None] = lambda what: None,  # each phase, as it starts
 ) -> Runner:
     r"""Sets up a run: `TrainLoop`'s arguments (`every` is
     `n_steps_per_checkpoint`) to the `Runner` of its first interval.
@@ -105,6 +104,7 @@ def assemble(
     guard, report = _guard_and_report(options, stdout)
     placement = Placement(devices, options.mesh, options.batch_axis)
     plan = DispatchPlan(every, options.steps_per_dispatch)
+    say("reading the first batch")
     objective, tree, feed = _objective_and_feed(
         task, options, placement, guard, collections, mutable_collections
     )
@@ -113,26 +113,18 @@ def assemble(
     init_labels = labels_of(collections, "init")
     model = (init_fn, key, inputs, init_labels, mutable_collections)
     layout = StepLayout.of(options, placement, objective, task, model)
+    say("initializing the model" if reader is None else "reading the newest checkpoint")
     start, key, step, step_key, state, shardings = _start(
-        init_fn,
-        reader,
-        objective,
-        layout,
-        placement,
-        feed,
-        key,
-        stdout,
-        model,
+        init_fn, reader, objective, layout, placement, feed, key, stdout, model,
         options.hyperparams == "file",
-    )
+    )  # fmt: skip
     interrupted = None if placement.multiprocess else lambda: guard.interrupted
     finished = start.path is not None and 0 < n_steps <= step  # nothing left to train
-    steps = _compiled(
+    say("compiling the step")
+    steps = compiled_at_set_up(
         layout, placement, state, feed, step_key, plan, shardings, objective, interrupted,
-        finished,
+        finished, stdout,
     )  # fmt: skip
-    if steps.mode in PER_DEVICE_MODES and placement.n_devices > 1:
-        _say_hint(per_device_note(placement.batch_axis), stdout)
     trained_part = objective.trained(start.model_params)
     intervals = _intervals(steps, placement, feed, key, options, step, objective, layout)
     intervals.caller_state.update(start.caller_state or {})  # a resumed run's
@@ -155,15 +147,16 @@ def assemble(
         n_steps,
     )
     trained = trained_part.split(start.model_params)
-    _say_set_up(runner, start.model_params, trained, placement, setup_seconds, stdout, layout)
-    if cache_hits.count:
-        log(
-            f"{cache_hits.count} programs from the cache ({compile_cache.folder_in_use()}).",
-            stdout,
-            lead="Compiled:",
-        )
+    _say_set_up(runner, start.model_params, trained, setup_seconds, stdout, layout)
+    _say_cached(cache_hits.count, stdout)
     _say_hint(lora_hint(objective), stdout)
     return runner
+
+
+def _say_cached(count: int, stdout: bool) -> None:
+    if count:
+        folder = compile_cache.folder_in_use()
+        log(f"{count} programs from the cache ({folder}).", stdout, lead="Compiled:")
 
 
 def _guard_and_report(
@@ -267,7 +260,6 @@ def _say_set_up(
     runner: Runner,
     params: Any,
     trained: Any,
-    placement: Placement,
     setup_seconds: float,
     stdout: bool,
     layout: StepLayout,
@@ -275,14 +267,14 @@ def _say_set_up(
     r"""Set-up's "Model:" and "Memory:" lines; a `ConfigError` when the
     memory plan exceeds a device's."""
     log(
-        describe_model(params, placement.n_devices, setup_seconds, trained),
+        describe_model(params, runner.placement.n_devices, setup_seconds, trained),
         stdout,
         lead="Model:",
         style="bold",
     )
     figures = runner.memory_plan()
     log(format_plan(fullest(figures)), stdout, lead="Memory:")
-    check_fits(figures, placement.devices, fsdp=layout.sharding == "fsdp")
+    check_fits(figures, runner.placement.devices, fsdp=layout.sharding == "fsdp")
 
 
 def _intervals(
@@ -319,59 +311,6 @@ def _intervals(
 def _say_hint(hint: str | None, stdout: bool) -> None:
     if hint is not None:
         log(hint, stdout, lead="Note:", style="yellow")
-
-
-def _compiled(
-    layout: StepLayout,
-    placement: Placement,
-    state: TrainState,
-    feed: BatchFeed,
-    step_key: Any,
-    plan: DispatchPlan,
-    shardings: TrainState | None,
-    objective: Objective,
-    interrupted: Callable[[], bool] | None,
-    defer: bool = False,
-) -> CompiledSteps:
-    r"""The step compiled for the plan's first dispatch (the others compiling
-    behind it); an error raised while tracing says what the step was traced
-    with."""
-    try:
-        return CompiledSteps(
-            counted(layout.step),
-            placement,
-            state,
-            feed.sample_batch,
-            step_key,
-            plan,
-            shardings,
-            objective.grads_like,
-            interrupted,
-            defer,
-            layout.program_key,
-            lambda: counted(layout.per_device()),
-        )
-    except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError) as error:
-        first = str(error).strip().splitlines()[0]
-        raise LossError(
-            f"The step is traced and compiled, so Python control flow cannot depend on "
-            f"its values ({type(error).__name__}: {first}). Write a choice that depends "
-            "on a value, the step's number `step` included, with jnp.where(...) or "
-            "jax.lax.cond(...), and a loop with jax.lax.fori_loop(...)."
-        ) from None
-    except Exception as error:
-        if isinstance(error, TypeError):
-            try:
-                refuse_float_labels(error, getattr(feed.spec, "targets", ()))
-            except FlaxLoopError as refused:
-                raise last_word(refused) from None
-        if isinstance(error, FlaxLoopError):  # its message is the last word
-            raise last_word(error) from None
-        error.add_note(
-            "flax_loop: raised while tracing the training step (the model and "
-            f"the loss) on the first batch: {feed.spec.describe()}."
-        )
-        raise
 
 
 def _init_inputs(

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from flax_loop.log import log
+
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 AT_ONCE = (
@@ -175,6 +177,20 @@ def note_process_stop(number: int | None, description: str) -> None:
 def process_stop() -> str | None:
     r"""The stop this process was asked for, once a loop honoured it, else `None`."""
     return _PROCESS_STOP[0] if _PROCESS_STOP else None
+
+
+def refused_after_stop(stdout: bool) -> bool:
+    r"""Whether a stop by signal ended the process's training (then said)."""
+    stopped = process_stop()
+    if stopped is not None:
+        log(
+            f"not training: this process was asked to stop ({stopped}), and a loop "
+            "stopped for it. Call flax_loop.clear_stop() before this loop to train anyway.",
+            stdout,
+            lead="Stopped:",
+            style="bold yellow",
+        )
+    return stopped is not None
 
 
 def clear_stop() -> None:

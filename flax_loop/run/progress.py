@@ -249,3 +249,30 @@ class _Remaining(TimeRemainingColumn):
 
 def _plain(rendered: Any) -> str:
     return rendered.plain if isinstance(rendered, Text) else str(rendered)
+
+
+class SetUpStatus:
+    r"""What set-up is doing, said as it happens: in a terminal, one line
+    that each phase replaces ("flax_loop: compiling the step") and that
+    goes when set-up ends; nothing elsewhere (the set-up lines that follow
+    say what it did).
+
+    >>> import io
+    >>> status = SetUpStatus(Console(file=io.StringIO()))   # no terminal: silent
+    >>> status("compiling the step"); status.stop()
+    """
+
+    def __init__(self, console: Console, shown: bool = True) -> None:
+        self._status = None
+        if shown and console.is_terminal and not console.is_jupyter:
+            self._status = console.status("flax_loop: setting up", spinner="line")
+            self._status.start()
+
+    def __call__(self, what: str) -> None:
+        if self._status is not None:
+            self._status.update(f"flax_loop: {what}")
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None

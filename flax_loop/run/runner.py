@@ -35,6 +35,7 @@ from flax_loop.run.preemption import (
     note_process_stop,
     process_stop,
     quiet_interrupt,
+    refused_after_stop,
 )
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import ProgressReport
@@ -136,45 +137,12 @@ class Runner:
             # takes: a file the body writes after the change holds it.
             newest.take_arrays(self.steps.copier()(self.state))
 
-    @contextlib.contextmanager
-    def training(self, last_step: int) -> Iterator[None]:
-        r"""While training up to `last_step`: signals become stop requests,
-        failures reach the other processes, and the progress report shows."""
-        if self.lost is not None:
-            raise StateLostError(self.lost)
-        self.guard.install()
-        try:
-            # a reading thread reads meanwhile, never past the last step trained
-            self.feed.resume(self.step + 1, max(last_step, self.n_steps))
-            # one process has no other to fail with (nor to cross into for it)
-            together = distributed.failing_together() if self.placement.multiprocess else None
-            with together or contextlib.nullcontext():
-                yield
-        except KeyboardInterrupt as error:
-            self.guard.clear()  # the interrupt ends this call; the next one trains on
-            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state)):
-                self.lost = (
-                    f"An interrupt at step {self.step:,} came while the loop's state was "
-                    "handed from one step to the next, and that state is gone: this "
-                    "loop cannot go on. Make a new TrainLoop that resumes from the last "
-                    "checkpoint written (init=CheckpointFileReader(dir=...))."
-                )
-            quiet_interrupt(error, self.lost or INTERRUPTED.format(step=self.step))
-            raise
-        finally:
-            self.feed.pause()  # no thread reads on after a call (nor is waited for)
-            self.guard.uninstall()
-            self.guard.clear()  # a request ends the call it was made in
-            if self.profile is not None:
-                self.profile.finish(self.stdout)  # never leave a trace running
-            _stop(self.report)
-
     def run(self, target: int | None) -> Iterator[Checkpoint]:
         r"""Yields the checkpoints up to step `target` (`None`: up to
         `n_steps`, read again after each checkpoint)."""
-        if self._refused():
+        if refused_after_stop(self.stdout):
             return
-        with self.training(self.n_steps if target is None else target):
+        with call_scope(self, self.n_steps if target is None else target):
             stop = self.n_steps if target is None else target
             if self.step >= stop:
                 log(
@@ -194,8 +162,12 @@ class Runner:
                     )
                     return
                 yield checkpoint
-                # a stop asked for in the body: that checkpoint was the last
-                if checkpoint.preempted or self._asked_in_the_body():
+                # a stop asked for in the body (one process: several agree on
+                # one at the next checkpoint): that checkpoint was the last
+                asked = self.guard.requested and not self.placement.multiprocess
+                if asked:
+                    self._stopped(self.guard)
+                if checkpoint.preempted or asked:
                     _stop(self.report)  # the bar's last line before the closing one
                     message = STOPPED.format(step=self.step, why=self.stopped_by)
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
@@ -210,29 +182,6 @@ class Runner:
                     style="bold",
                 )
 
-    def _refused(self) -> bool:
-        r"""Whether a stop by signal ended the process's training (said once a call)."""
-        stopped = process_stop()
-        if stopped is not None:
-            log(
-                f"not training: this process was asked to stop ({stopped}), and a loop "
-                "stopped for it. Call flax_loop.clear_stop() before this loop to train "
-                "anyway.",
-                self.stdout,
-                lead="Stopped:",
-                style="bold yellow",
-            )
-        return stopped is not None
-
-    def _asked_in_the_body(self) -> bool:
-        r"""Whether a stop was asked for while the caller's body ran (one
-        process: several agree on a stop at the next checkpoint instead)."""
-        guard = self.guard
-        if not guard.requested or self.placement.multiprocess:
-            return False
-        self._stopped(guard)
-        return True
-
     def _stopped(self, guard: PreemptionGuard) -> None:
         r"""The run stops for the guard's request, and so does the process's training."""
         self.stopped_by = guard.name or "another process was asked to stop"
@@ -242,12 +191,12 @@ class Runner:
         r"""Runs to `boundary` and returns its checkpoint (a `DataExhaustedError`
         if the stream has no batch left; a `StoppedError` after a stop by
         signal ended the process's training)."""
-        if self._refused():
+        if refused_after_stop(self.stdout):
             raise StoppedError(
                 f"This process was asked to stop ({process_stop()}): no loop trains "
                 "after it. Call flax_loop.clear_stop() first to train anyway."
             )
-        with self.training(boundary):
+        with call_scope(self, boundary):
             checkpoint = self.interval(boundary, total=boundary)
         if checkpoint is None:
             raise DataExhaustedError(
@@ -349,6 +298,41 @@ class Runner:
         if report is not None:
             _show(report, step, checkpoint)
         return checkpoint
+
+
+@contextlib.contextmanager
+def call_scope(runner: Runner, last_step: int) -> Iterator[None]:
+    r"""A call's scope, while `runner` trains up to `last_step`: signals become
+    stop requests, failures reach the other processes, and the progress
+    report shows; an interrupt that destroyed the state is remembered."""
+    if runner.lost is not None:
+        raise StateLostError(runner.lost)
+    runner.guard.install()
+    try:
+        # a reading thread reads meanwhile, never past the last step trained
+        runner.feed.resume(runner.step + 1, max(last_step, runner.n_steps))
+        # one process has no other to fail with (nor to cross into for it)
+        together = distributed.failing_together() if runner.placement.multiprocess else None
+        with together or contextlib.nullcontext():
+            yield
+    except KeyboardInterrupt as error:
+        runner.guard.clear()  # the interrupt ends this call; the next one trains on
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(runner.state)):
+            runner.lost = (
+                f"An interrupt at step {runner.step:,} came while the loop's state was "
+                "handed from one step to the next, and that state is gone: this "
+                "loop cannot go on. Make a new TrainLoop that resumes from the last "
+                "checkpoint written (init=CheckpointFileReader(dir=...))."
+            )
+        quiet_interrupt(error, runner.lost or INTERRUPTED.format(step=runner.step))
+        raise
+    finally:
+        runner.feed.pause()  # no thread reads on after a call (nor is waited for)
+        runner.guard.uninstall()
+        runner.guard.clear()  # a request ends the call it was made in
+        if runner.profile is not None:
+            runner.profile.finish(runner.stdout)  # never leave a trace running
+        _stop(runner.report)
 
 
 def _stop(report: ProgressReport | None) -> None:

@@ -106,38 +106,24 @@ class CompiledSteps:
         closing = sample_batch(plan.closing_steps) if plan.closing_steps else None
         self._stacked = stacked
         variants = Variants(
-            update,
-            placement,
-            key,
-            plan,
-            (batch, stacked, closing),
-            self.grads_like,
-            program_key,
-            per_device,
-        )
+            update, placement, key, plan, (batch, stacked, closing), self.grads_like,
+            program_key, per_device,
+        )  # fmt: skip
         self._variants = variants
         packed, program, state, shardings, packing, mode = variants.first(
             first, state, shardings, packing
         )
         self.packing = packing
         r"""the layout the state travels in, or `None` (a sharded state)."""
-        self.mode = mode
-        r"""how the programs run over the devices (`flax_loop.step.lowering`):
-        one of `PER_DEVICE_MODES` for a step written per device."""
+        self.mode = mode  # (`flax_loop.step.lowering`): how the programs run
         # the unpacked state's shapes and layout, for the programs below
         self._unpacked = jax.tree.map(abstract, state)
         self.state = packed
         r"""the state to start from (with the metric sums the loss needs)."""
         self._lower = functools.partial(
-            lower_update,
-            variants.update,
-            placement,
-            key=key,
-            mode=mode,
-            shardings=shardings,
-            packing=packing,
-            grads_like=self.grads_like,
-        )
+            lower_update, variants.update, placement, key=key, mode=mode, shardings=shardings,
+            packing=packing, grads_like=self.grads_like,
+        )  # fmt: skip
         self._shorter: dict[Any, Callable[..., Any]] = {}
         # The other variants are traced on the background thread, from the
         # state's shapes and layout (the state itself is donated meanwhile).
