@@ -14,8 +14,10 @@ sys.path.insert(0, ROOT)
 # The notebooks live in notebooks/ (the suite executes them there); the site
 # renders copies of them with their stored outputs.
 os.makedirs(os.path.join(ROOT, "docs", "notebooks"), exist_ok=True)
+# Only the notebooks themselves: an executed copy (`jupyter nbconvert --execute`
+# writes `NAME.nbconvert.ipynb` beside it) is no page of the site.
 for name in sorted(os.listdir(os.path.join(ROOT, "notebooks"))):
-    if name.endswith(".ipynb"):
+    if name.endswith(".ipynb") and not name.endswith(".nbconvert.ipynb"):
         shutil.copy(
             os.path.join(ROOT, "notebooks", name), os.path.join(ROOT, "docs", "notebooks", name)
         )

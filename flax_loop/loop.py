@@ -342,6 +342,13 @@ class TrainLoop:
         """
         self._runner.update_state(hyperparams_changer(self._optimizers, name, values))
 
+    def current_checkpoint(self) -> Checkpoint:
+        r"""The checkpoint of the state the loop holds now, training nothing:
+        a finished run's (resumed at its `n_steps`) trained parameters for
+        the next phase of a program (pre-training, then fine-tuning), with
+        `n_completed_steps` 0 when no step ran since the newest checkpoint."""
+        return self._runner.current()
+
     def next_checkpoint(self) -> Checkpoint:
         r"""Runs to the next checkpoint and returns it.
 

@@ -280,3 +280,22 @@ def test_the_plateau_recipe_resumes_bit_for_bit_after_sigkill(tmp_path):
             np.testing.assert_array_equal(a, b)
         again = run(directory)  # a third run: stopped early before, trains nothing
         assert "WROTE" not in again
+
+
+def test_a_finished_loop_gives_its_state_without_training(tmp_path):
+    """Run again, a finished phase trains nothing; current_checkpoint() gives
+    the state it holds (read back from its file), the bits the first run
+    trained, for the next phase to start from."""
+    optimizer = optax.sgd(0.1)
+    first = sgd_loop(optimizer)
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
+        for checkpoint in first:
+            write(checkpoint)
+    trained = first.current_checkpoint()
+    assert trained is checkpoint and trained.n_completed_steps == 4  # the newest one
+    again = sgd_loop(optimizer, init=CheckpointFileReader(dir=str(tmp_path), target=MODEL.init))
+    assert list(again) == []
+    held = again.current_checkpoint()
+    assert held.step == 8 and held.n_completed_steps == 0
+    for a, b in zip(jax.tree.leaves(held.model_params), jax.tree.leaves(trained.model_params)):
+        np.testing.assert_array_equal(a, b)

@@ -187,6 +187,18 @@ class Runner:
         self.stopped_by = guard.name or "another process was asked to stop"
         note_process_stop(guard.signal, f"{self.stopped_by} at step {self.step:,}")
 
+    def current(self) -> Checkpoint:
+        r"""The checkpoint of the state now, training nothing (the newest
+        one made, if it is of this step; else one of no completed steps)."""
+        if self.lost is not None:
+            raise StateLostError(self.lost)
+        newest = self.newest
+        if newest is None or newest.step != self.step:
+            now = time.perf_counter()
+            self.state, newest = self.intervals.close(self.state, self.step, None, None, now, False)
+            self.newest = newest
+        return newest
+
     def run_alone(self, boundary: int) -> Checkpoint:
         r"""Runs to `boundary` and returns its checkpoint (a `DataExhaustedError`
         if the stream has no batch left; a `StoppedError` after a stop by
