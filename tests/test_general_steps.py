@@ -642,3 +642,65 @@ def test_wrong_general_tasks_get_clear_errors():
             rnkey=jax.random.key(0),
             stdout=False,
         )
+
+
+class SowingTeacher(Teacher):
+    def __call__(self, x):
+        hidden = nnx.relu(self.hidden(x))
+        self.sow(nnx.Intermediate, "features", hidden)
+        return self.out(self.dropout(hidden))
+
+
+def test_a_frozen_teacher_that_sows_its_features_feeds_the_loss():
+    """The teacher's sown features reach the loss (nnx.state of the module
+    the loss looked up), as the distillation notebook reads them."""
+    teacher, student = SowingTeacher(nnx.Rngs(1)), Student(nnx.Rngs(2))
+
+    def feature_matching(model, batch, *, rng, step, frozen):
+        x, y = batch
+        teacher_model = frozen["teacher"]
+        teacher_model(x)
+        (features,) = nnx.state(teacher_model, nnx.Intermediate)["features"].value
+        return cross_entropy(model(features), y)
+
+    loop = TrainLoop(
+        init=student,
+        task=TrainTask(
+            student,
+            optax.sgd(0.05),
+            data=stream("pair"),
+            compute_loss=feature_matching,
+            frozen={"teacher": teacher},
+        ),
+        rnkey=jax.random.key(SEED),
+        n_steps=4,
+        n_steps_per_checkpoint=4,
+        devices=jax.devices()[:1],
+        stdout=False,
+    )
+    last = loop.next_checkpoint()
+    # by hand: the teacher in evaluation mode, its features sown and read
+    teacher.eval()
+    graphdef, params = nnx.split(Student(nnx.Rngs(2)), nnx.Param)
+    tx = optax.sgd(0.05)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step_fn(params, opt_state, x, y):
+        def loss_of(p):
+            teacher_model = nnx.clone(teacher)
+            return feature_matching(
+                nnx.merge(graphdef, p),
+                (x, y),
+                rng=None,
+                step=None,
+                frozen={"teacher": teacher_model},
+            )
+
+        grads = jax.grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for x, y in batches(4, "pair"):
+        params, opt_state = step_fn(params, opt_state, x, y)
+    same(last.model_params, nnx.to_pure_dict(params))

@@ -213,6 +213,24 @@ def test_a_call_that_requires_a_train_keyword_is_a_config_error_saying_how_modes
             return self.dropout(self.linear(x), deterministic=not train)
 
     with pytest.raises(
-        ConfigError, match=r"Net.__call__ requires the keyword 'train'.*module\.train\(\)"
+        ConfigError, match=r"Net.__call__ requires the argument 'train'.*module\.train\(\)"
     ):
         nnx_loop(Net(nnx.Rngs(0)), n_steps=2)
+
+
+def test_a_call_that_takes_the_mode_as_a_positional_argument_is_named():
+    """The NNX tutorials' `__call__(self, x, train)`: a ConfigError naming the
+    argument and how flax_loop sets the mode, not a bare TypeError."""
+
+    class Tutorial(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+        def __call__(self, x, train):
+            return self.dropout(self.linear(x), deterministic=not train)
+
+    from flax_loop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"requires the argument 'train'.*module\.train\(\)"):
+        nnx_loop(Tutorial(), n_steps=2)

@@ -566,3 +566,73 @@ def test_the_built_in_transforms_apply_to_your_own_step():
     )  # fmt: skip
     (last,) = list(loop)
     assert last.n_nonfinite_steps == 1 and int(last.carried["carry"]["n"]) == 2
+
+
+def test_an_nnx_variable_written_in_your_own_step_carries_over_and_a_parameter_is_refused():
+    """As under compute_loss: a non-parameter nnx.Variable the step writes is
+    carried (3.0 after three +1 steps); a trained parameter assigned is an
+    ApplyError naming it."""
+    from flax import nnx
+
+    class Count(nnx.Variable):
+        pass
+
+    class Counting(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+            self.seen = Count(jnp.zeros(()))
+
+        def __call__(self, x):
+            return self.linear(x)[:, 0]
+
+    def counting(state, batch, *, rng, step):
+        x, y = batch
+        model = state.model()
+        model.seen.value = model.seen.value + 1
+        grads = jax.grad(lambda p: ((state.model(p)(x) - y) ** 2).mean())(state.params)
+        return state.apply_gradients(grads), {"loss": jnp.float32(0)}
+
+    def assigning(state, batch, *, rng, step):
+        model = state.model()
+        model.linear.bias.value = model.linear.bias.value + 1
+        return state, {"loss": jnp.float32(0)}
+
+    module = Counting()
+    loop = TrainLoop(
+        init=module,
+        task=TrainTask(module, optax.sgd(0.1), data=ResumableBatches(X, Y, 32), update=counting),
+        rnkey=jax.random.key(0),
+        n_steps=3,
+        n_steps_per_checkpoint=3,
+        devices=jax.devices()[:1],
+        stdout=False,
+    )
+    assert float(loop.next_checkpoint().model_state["seen"]) == 3.0
+    with pytest.raises(ApplyError, match="linear/bias"):
+        TrainLoop(
+            init=module,
+            task=TrainTask(
+                module, optax.sgd(0.1), data=ResumableBatches(X, Y, 32), update=assigning
+            ),
+            rnkey=jax.random.key(0),
+            n_steps=3,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+
+def test_a_step_without_data_and_without_input_sample_is_told_what_to_pass():
+    def drawn(state, batch, *, rng, step):
+        return state, {"loss": jnp.float32(0)}
+
+    with pytest.raises(
+        ConfigError, match=r"reads no data \(TrainTask\(data=None\)\).*input_sample"
+    ):
+        TrainLoop(
+            init=REGRESSOR.init,
+            task=TrainTask(REGRESSOR.apply, optax.sgd(0.1), update=drawn, data=None),
+            rnkey=jax.random.key(0),
+            n_steps=2,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )

@@ -108,7 +108,7 @@ def assemble(
     objective, tree, feed = _objective_and_feed(
         task, options, placement, guard, collections, mutable_collections
     )
-    inputs = _init_inputs(input_sample, feed.sample, tree, task.apply)
+    inputs = _init_inputs(input_sample, feed.sample, tree, task.apply, task.data is not None)
     key = as_typed_key(rnkey)
     init_labels = labels_of(collections, "init")
     model = (init_fn, key, inputs, init_labels, mutable_collections)
@@ -314,7 +314,7 @@ def _say_hint(hint: str | None, stdout: bool) -> None:
 
 
 def _init_inputs(
-    input_sample: Any, sample: Batch, tree: BatchTree | None, apply: Any
+    input_sample: Any, sample: Batch, tree: BatchTree | None, apply: Any, reads_data: bool = True
 ) -> tuple[Any, ...]:
     r"""The inputs `init` is called with: `input_sample`, or the first batch's
     inputs (a batch of any structure has them if it is a pair `(inputs,
@@ -354,6 +354,12 @@ def _init_inputs(
         return normalize_group(given[0], "the first batch's inputs")
     if nnx_model:
         return ()
+    if not reads_data:
+        raise ConfigError(
+            "A step that reads no data (TrainTask(data=None)) has no batch to initialize "
+            "the model with: pass TrainLoop(..., input_sample=x), x inputs of the model "
+            "(a batch of them, such as np.zeros((1, 4), np.float32))."
+        )
     raise ConfigError(
         "With compute_loss, the model is initialized with input_sample: pass "
         "TrainLoop(..., input_sample=x), x inputs of the model (a batch of them); "

@@ -66,13 +66,34 @@ class FrozenModels:
             for name, value in self.models.items()
         }
 
-    def view(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
+    def view(self, arrays: Mapping[str, Any]) -> Mapping[str, Any]:
         r"""The models of `arrays()`, inside the step: NNX modules in
-        evaluation mode, anything else as it was given."""
-        return {
-            name: self._nnx[name].module(value) if name in self._nnx else value
-            for name, value in arrays.items()
-        }
+        evaluation mode, anything else as it was given. An NNX module is
+        made when it is looked up, at the trace level of the code that looks
+        it up (a loss inside `jax.grad`), so that the code may call it and
+        read what it sows (`self.sow`, `nnx.capture`): NNX refuses a write to
+        a module made at another level."""
+        return _View(self, arrays)
+
+    def model(self, name: str, value: Any) -> Any:
+        r"""The frozen model `name` of its arrays `value`."""
+        return self._nnx[name].module(value) if name in self._nnx else value
+
+
+class _View(Mapping[str, Any]):
+    r"""`FrozenModels.view`: the models by name, each made when looked up."""
+
+    def __init__(self, models: FrozenModels, arrays: Mapping[str, Any]) -> None:
+        self._models, self._arrays = models, arrays
+
+    def __getitem__(self, name: str) -> Any:
+        return self._models.model(name, self._arrays[name])
+
+    def __iter__(self) -> Any:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
 
 def with_frozen(models: FrozenModels) -> Transform:

@@ -109,7 +109,7 @@ class _Gradient:
         bound = objective.bind(whole, model_state, rngs)
         # the loss's `step`: the updates done before this one (0 first)
         result = call_loss(objective, self.part, bound, batch, rng, context, carry)
-        _refuse_written(bound)
+        refuse_written(bound)
         if objective.carries:
             result, carry = split_carry(result, self.part.name)
         loss_value, metrics = split_loss(result, axis_name is not None)
@@ -199,7 +199,7 @@ def call_loss(
     return part.compute_loss(bound.model, given, **keywords)
 
 
-def _refuse_written(bound: Any) -> None:
+def refuse_written(bound: Any) -> None:
     r"""An `ApplyError` (while tracing) naming the parameters the loss
     assigned: the step applies the optimizer to the values it gave the
     model, so the assignment would be lost."""

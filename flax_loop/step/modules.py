@@ -59,17 +59,21 @@ def _check_call_keywords(kind: type, parameters: Mapping[str, inspect.Parameter]
     needed = [
         name
         for name, parameter in parameters.items()
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-        and parameter.default is inspect.Parameter.empty
+        if parameter.default is inspect.Parameter.empty
         and name != "rngs"
+        and (
+            parameter.kind is inspect.Parameter.KEYWORD_ONLY
+            # the NNX tutorials' `__call__(self, x, train)`: a mode as an input
+            or name in _TRAINING_FLAGS + _EVALUATION_FLAGS
+        )
     ]
     if needed:
         raise ConfigError(
-            f"{kind.__name__}.__call__ requires the keyword {', '.join(map(repr, needed))}: "
+            f"{kind.__name__}.__call__ requires the argument {', '.join(map(repr, needed))}: "
             "flax_loop calls an NNX module as module(*inputs) (with rngs= if it takes "
             "them), and sets its mode itself: module.train() while training, "
             "module.eval() in EvalLoop, which nnx.Dropout and nnx.BatchNorm follow. "
-            "Drop the keyword (the layers follow the mode), or give it the default that "
+            "Drop the argument (the layers follow the mode), or give it the default that "
             "trains (train=True; a default of train=False keeps dropout off in training)."
         )
 

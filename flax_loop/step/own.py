@@ -51,7 +51,9 @@ from flax_loop.random import loss_key, step_keys
 from flax_loop.step.carry import CARRY, pmean_floating, with_carry
 from flax_loop.step.core import Context, Fields, Outcome, Step, chain
 from flax_loop.step.frozen import with_frozen
+from flax_loop.step.gradient import refuse_written
 from flax_loop.step.model import split_loss
+from flax_loop.step.modules import BoundNNX
 from flax_loop.step.objective import Objective
 
 UpdateFn = Callable[..., Any]
@@ -270,6 +272,10 @@ def own_step(
         rng = loss_key(context.key, number, device_index)
         result = update(state, given, rng=rng, step=context.step)
         new, loss, metrics = _checked(result, update, averaged_over is not None)
+        for bound in env.bound.values():
+            refuse_written(bound)  # a trained parameter assigned: the write would be lost
+        if new.model_state is fields["model_state"]:  # the step left it: writes carry over
+            new = dataclasses.replace(new, model_state=_written_state(env, new.model_state))
         if averaged_over is not None:
             loss, metrics = jax.lax.pmean((loss, metrics), averaged_over)
         new_fields = {
@@ -286,6 +292,35 @@ def own_step(
     if objective.frozen is not None:
         transforms.append(with_frozen(objective.frozen))
     return chain(Step(dict, step_update), *transforms)
+
+
+def _written_state(env: _Env, given: Any) -> Any:
+    r"""The model state as an NNX module `state.model()` gave left it (a
+    non-parameter `nnx.Variable` the step wrote), as a `compute_loss`'s
+    writes carry over; `given` if none wrote any.
+
+    Raises:
+        ConfigError: when several modules wrote theirs (which one to keep is
+            the step's to say).
+    """
+    given_leaves = jax.tree.leaves(given)
+    changed = []
+    for bound in env.bound.values():
+        if not isinstance(bound, BoundNNX):
+            continue
+        after = bound.state()
+        leaves = jax.tree.leaves(after)
+        if len(leaves) != len(given_leaves) or any(
+            a is not b for a, b in zip(leaves, given_leaves)
+        ):
+            changed.append(after)
+    if len(changed) > 1:
+        raise ConfigError(
+            "Several models state.model() gave wrote their non-parameter variables; "
+            "say which state the step carries: return state.replace(model_state="
+            "state.model_state_after(model)) for the model whose writes count."
+        )
+    return changed[0] if changed else given
 
 
 def _averaged(tree: Any, axis_name: str | None) -> Any:
