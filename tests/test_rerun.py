@@ -87,3 +87,60 @@ def test_a_rerun_compiles_nothing_and_a_changed_task_compiles_anew():
         assert report[changed] >= 2, (changed, report)
     # a new module of the same class is another object: its programs compile anew
     assert report["same_model_anew"] >= 2, report
+
+
+def test_a_cell_run_again_with_its_objects_rebuilt_takes_its_programs_from_the_cache():
+    """A notebook cell run again builds its model, optimizer and loss anew:
+    the process's cache (by identity) misses, and every program it compiles
+    comes from the persistent compilation cache instead (the seconds:
+    benchmarks/rerun.py), computing the same bits."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import optax
+
+    from flax_loop import TrainLoop, TrainTask
+
+    events = {"hits": 0, "compiles": 0, "on": False}
+
+    def heard(name, **kwargs):
+        if events["on"] and name == "/jax/compilation_cache/cache_hits":
+            events["hits"] += 1
+
+    def timed(name, duration, **kwargs):
+        if events["on"] and name == "/jax/core/compile/backend_compile_duration":
+            events["compiles"] += 1
+
+    jax.monitoring.register_event_listener(heard)
+    jax.monitoring.register_event_duration_secs_listener(timed)
+    rng = np.random.default_rng(0)
+    data = [
+        (rng.normal(size=(32, 16)).astype(np.float32), rng.integers(0, 10, 32)) for _ in range(4)
+    ]
+
+    def cell():
+        class Net(nn.Module):  # the cell's code, run again: new objects throughout
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(10)(nn.relu(nn.Dense(24)(x)))
+
+        def loss(logits, labels):
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        net = Net()
+        loop = TrainLoop(
+            init=net.init, task=TrainTask(net.apply, optax.adam(1e-2), loss, data),
+            rnkey=jax.random.key(0), n_steps=8, n_steps_per_checkpoint=4,
+            devices=jax.devices()[:1], stdout=False,
+        )  # fmt: skip
+        *_, last = loop
+        loop.compiled.wait()
+        return jax.device_get(last.model_params)
+
+    first = cell()
+    events["on"] = True
+    again = cell()
+    events["on"] = False
+    assert events["compiles"] >= 3 and events["hits"] == events["compiles"], events
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
