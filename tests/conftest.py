@@ -98,8 +98,11 @@ def pytest_unconfigure(config):
 @pytest.fixture(autouse=True)
 def _training_allowed():
     """A test's stop by signal ends its process's training (as a script's
-    does); the next test in the worker trains again."""
+    does), and the checkpoints it wrote are the process's newest (which the
+    stop's message names): the next test in the worker starts clean."""
     yield
     from flax_loop import clear_stop
+    from flax_loop.checkpoint.format import WRITTEN
 
     clear_stop()
+    WRITTEN.clear()

@@ -63,8 +63,32 @@ def test_a_stopped_run_ends_with_a_line_that_says_where_and_how_to_resume():
             signal.raise_signal(signal.SIGUSR1)
     assert steps == [5, 10]  # the body's checkpoint was the last, seen once
     text = " ".join(out.getvalue().split())
-    assert "Stopped: at step 10 (SIGUSR1), after its checkpoint. Run again to resume" in text
+    # no file was written: nothing to resume from, and the line says so
+    assert "Stopped: at step 10 (SIGUSR1), after its checkpoint. No checkpoint was written" in text
     assert "Done:" not in text
+
+
+def test_a_stopped_run_names_the_file_a_run_again_resumes_from(tmp_path):
+    from flax_loop import CheckpointFileWriter, clear_stop
+
+    out = io.StringIO()
+    set_console(Console(file=out, width=300))
+    loop = TrainLoop(
+        init=MLP(features=(16,)).init,
+        task=TrainTask(MLP(features=(16,)).apply, optax.sgd(0.1), cross_entropy,
+                       batches(X_TRAIN, Y_TRAIN, 32)),
+        rnkey=jax.random.key(0), n_steps=20, n_steps_per_checkpoint=5,
+        preemption_signals=[signal.SIGUSR1],
+    )  # fmt: skip
+    with CheckpointFileWriter(output_dir=str(tmp_path), stdout=False) as write:
+        for checkpoint in loop:
+            write(checkpoint)
+            if checkpoint.step == 5:
+                signal.raise_signal(signal.SIGUSR1)
+    set_console(None)
+    clear_stop()
+    text = " ".join(out.getvalue().split())
+    assert f"resume from the last checkpoint written ({tmp_path}/regular.5.ckpt)" in text
 
 
 PROGRAM = textwrap.dedent(

@@ -121,7 +121,7 @@ def test_the_beyond_supervised_guide_runs_as_written(capsys):
 # them as programs, and again; each runs so, twice, in a fresh process.
 # (The other guides that write files start them afresh, or resume within
 # the program, as Checkpoints does: they run once, below.)
-GUIDES_RUN_TWICE = ("getting_started.md",)
+GUIDES_RUN_TWICE = ("getting_started.md", "checkpoints.md")
 
 # Guides whose programs another test runs, with assertions of its own.
 GUIDES_RUN_ELSEWHERE = {
@@ -181,6 +181,7 @@ def test_a_guide_that_resumes_runs_twice_as_a_program(guide, tmp_path):
     (tmp_path / "guide.py").write_text("\n".join(re.findall(r"```python\n(.*?)```", text, re.S)))
     env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, the suite's compile flags
     env["JAX_PLATFORMS"] = "cpu"
+    stops = []
     for run in ("first", "second"):
         result = subprocess.run(
             [sys.executable, "guide.py"], cwd=tmp_path, capture_output=True, text=True,
@@ -188,6 +189,8 @@ def test_a_guide_that_resumes_runs_twice_as_a_program(guide, tmp_path):
         )  # fmt: skip
         assert result.returncode == 0, f"the {run} run: {result.stderr[-3000:]}"
         assert "Traceback" not in result.stdout
+        stops.append([line for line in result.stdout.splitlines() if "stopped at step" in line])
+    assert stops[0] == stops[1]  # an early stop stops where it did (its best not an earlier run's)
 
 
 def guides_with_programs():

@@ -52,6 +52,7 @@ from flax_loop.checkpoint._orbax_store import (
     read_orbax_step,
 )
 from flax_loop.checkpoint._writer import EXIT_CODE_WRITE_FAILED, check_writer_options, to_file
+from flax_loop.checkpoint.format import WRITTEN
 from flax_loop.checkpoint.lock import DirectoryLock
 from flax_loop.errors import CheckpointError, ConfigError
 from flax_loop.log import is_main_process, log
@@ -157,6 +158,7 @@ class OrbaxCheckpointWriter:
             )
             if not self.background:
                 manager.wait_until_finished()
+            WRITTEN[:] = [os.path.join(self.output_dir, str(step))]
         except Exception as error:
             raise CheckpointError(
                 f"Orbax failed to write step {step} to {self.output_dir!r}: "

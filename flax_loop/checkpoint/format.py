@@ -251,6 +251,11 @@ def _metrics_to_file(metrics: Any) -> dict[str, dict[str, float]]:
     }
 
 
+WRITTEN: list[str] = []
+r"""The newest checkpoint this process wrote (a file, or an Orbax step), for
+messages that tell a user where a run again resumes from; empty if none."""
+
+
 def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True) -> str:
     r"""Writes `file` atomically as `directory/prefix<step>.ckpt`.
 
@@ -307,6 +312,7 @@ def save(directory: str, prefix: str, file: "CheckpointFile", fsync: bool = True
         raise
     if fsync:
         _fsync_directory(directory)
+    WRITTEN[:] = [final]
     return final
 
 

@@ -31,15 +31,35 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from flax_loop.checkpoint.format import WRITTEN
 from flax_loop.log import log
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-AT_ONCE = (
-    "stopped at once by a second Ctrl-C: the steps since the last checkpoint written "
-    "are in no file. Run again to resume from that checkpoint."
-)
-r"""The closing line of a second Ctrl-C outside the loop's steps."""
+
+def resume_hint() -> str:
+    r"""Where a run again resumes from: the newest checkpoint this process
+    wrote, or, when it wrote none, that a run again starts afresh.
+
+    >>> WRITTEN.clear()
+    >>> resume_hint().startswith("No checkpoint was written")
+    True
+    """
+    if WRITTEN:
+        return f"Run again to resume from the last checkpoint written ({WRITTEN[0]})."
+    return (
+        "No checkpoint was written, so a run again starts afresh: write checkpoints "
+        "(CheckpointFileWriter in the loop's body) to resume from them."
+    )
+
+
+def at_once() -> str:
+    r"""The closing line of a second Ctrl-C outside the loop's steps."""
+    return (
+        "stopped at once by a second Ctrl-C: the steps since the last checkpoint written "
+        f"are in no file. {resume_hint()}"
+    )
+
 
 DEFER_SECONDS = 1.0
 r"""How long a deferred `KeyboardInterrupt` waits for the loop to raise it."""
@@ -115,7 +135,7 @@ class PreemptionGuard:
                     self.interrupted = True
                     threading.Timer(DEFER_SECONDS, self._interrupt_if_pending).start()
                     return
-                raise quiet_interrupt(KeyboardInterrupt(), AT_ONCE)
+                raise quiet_interrupt(KeyboardInterrupt(), at_once())
             signal.raise_signal(number)
             return
         self.requested, self.signal = True, number

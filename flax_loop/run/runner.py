@@ -36,6 +36,7 @@ from flax_loop.run.preemption import (
     process_stop,
     quiet_interrupt,
     refused_after_stop,
+    resume_hint,
 )
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import ProgressReport
@@ -44,15 +45,11 @@ from flax_loop.step.compiled import CompiledSteps
 
 INTERRUPTED = (
     "interrupted at step {step:,}: the steps since the last checkpoint written are in "
-    "no file. Run again to resume from that checkpoint (init=CheckpointFileReader(dir=...)); "
-    "in a notebook, this loop goes on (loop.next_checkpoint())."
+    "no file. {resume} In a notebook, this loop goes on (loop.next_checkpoint())."
 )
 r"""The closing line of a second Ctrl-C (printed instead of a traceback)."""
 
-STOPPED = (
-    "at step {step:,} ({why}), after its checkpoint. Run again to resume from the last "
-    "checkpoint written (init=CheckpointFileReader(dir=...))."
-)
+STOPPED = "at step {step:,} ({why}), after its checkpoint. {resume}"
 r"""The closing line of a run stopped by a signal."""
 
 
@@ -169,7 +166,9 @@ class Runner:
                     self._stopped(self.guard)
                 if checkpoint.preempted or asked:
                     _stop(self.report)  # the bar's last line before the closing one
-                    message = STOPPED.format(step=self.step, why=self.stopped_by)
+                    message = STOPPED.format(
+                        step=self.step, why=self.stopped_by, resume=resume_hint()
+                    )
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
                     return
             trained = self.step - self.first_step
@@ -336,7 +335,8 @@ def call_scope(runner: Runner, last_step: int) -> Iterator[None]:
                 "loop cannot go on. Make a new TrainLoop that resumes from the last "
                 "checkpoint written (init=CheckpointFileReader(dir=...))."
             )
-        quiet_interrupt(error, runner.lost or INTERRUPTED.format(step=runner.step))
+        interrupted = INTERRUPTED.format(step=runner.step, resume=resume_hint())
+        quiet_interrupt(error, runner.lost or interrupted)
         raise
     finally:
         runner.feed.pause()  # no thread reads on after a call (nor is waited for)
