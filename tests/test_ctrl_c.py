@@ -169,7 +169,7 @@ TERMINAL_PROGRAM = textwrap.dedent(
 )
 
 
-def in_a_terminal(every, sleep, presses):
+def in_a_terminal(every, sleep, presses, columns=None):
     """Runs the program in a pseudo-terminal (the bar's default there), its
     body sleeping `sleep` seconds; types Ctrl-C a second after each text of
     `presses` is printed; returns its output and exit status."""
@@ -184,6 +184,12 @@ def in_a_terminal(every, sleep, presses):
 
         environment = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, as a reader's
         os.execve(sys.executable, [sys.executable, "-c", program], environment)
+    if columns is not None:  # the terminal's size, as a narrow window has it
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     output = b""
 
     def read_until(text, seconds):
@@ -253,3 +259,19 @@ def test_a_ctrl_c_at_an_interactive_prompt_ends_only_its_call(monkeypatch):
     assert process_stop() is None
     note_process_stop(signal.SIGTERM, "SIGTERM at step 5")  # a scheduler's, anywhere
     assert process_stop() == "SIGTERM at step 5"
+
+
+@pytest.mark.parametrize("columns", [40, 80])
+def test_in_a_narrow_terminal_the_bar_keeps_its_most_important_fields_on_one_line(columns):
+    """At 40 columns the steps and the loss (the interval's running mean)
+    show, nothing cut mid-word; no line is wider than the terminal, so
+    no redraw leaves a stale copy behind, with the stop's notice too."""
+    out, status = in_a_terminal(every=10**6, sleep=0, presses=[b"READY"], columns=columns)
+    assert os.waitstatus_to_exitcode(status) == 0, out[-3000:]
+    lines = [line for line in out.replace("\r", "\n").splitlines() if line.strip()]
+    # the bar's lines (the log's lines are printed once, and may wrap)
+    bar = [line for line in lines if "/10,000,000" in line or "stopping (" in line]
+    assert max(len(line) for line in bar) <= columns, [b for b in bar if len(b) > columns]
+    assert any("loss " in line for line in bar), bar[-3:]
+    assert not any("…" in line for line in bar)  # a field is shown whole or not at all
+    assert any("stopping (" in line for line in bar)  # the notice found room

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     Progress,
@@ -24,7 +25,7 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
-from rich.table import Column
+from rich.table import Column, Table
 from rich.text import Text
 
 BAR_REFRESH_SECONDS = 0.25
@@ -61,6 +62,8 @@ class ProgressReport:
         self._next_refresh = 0.0
         self._recent: deque[tuple[int, Any]] = deque(maxlen=RECENT)
         self._live_loss: tuple[int, float] | None = None
+        # the finished losses read this interval (one a refresh, at most)
+        self._sampled_step, self._sampled_sum, self._sampled_count = -1, 0.0, 0
 
     @property
     def live(self) -> bool:
@@ -80,7 +83,7 @@ class ProgressReport:
         self._next_refresh = self._started_at + self._interval()
         if self._live:
             self._recent.clear()
-            self._bar = Progress(
+            self._bar = _Fitted(
                 _Steps(),
                 BarColumn(bar_width=8),
                 _text("{task.fields[loss]}"),
@@ -123,6 +126,7 @@ class ProgressReport:
         r"""Shows the latest checkpoint's step, loss and metrics (the loss
         function's, such as accuracy)."""
         self._loss, self._metrics = loss, dict(metrics or {})
+        self._sampled_sum, self._sampled_count = 0.0, 0  # the next interval's mean
         self._show(step, time.perf_counter(), line=True)
 
     def _finished_loss(self) -> tuple[int, float] | None:
@@ -140,7 +144,15 @@ class ProgressReport:
         rate = self._rate(step, now)
         if self._bar is not None and self._task is not None:
             live = self._finished_loss()
-            loss = f"loss {live[1]:.4g}" if live is not None else ""
+            if live is not None and live[0] != self._sampled_step:  # a newer step read
+                self._sampled_step = live[0]
+                self._sampled_sum, self._sampled_count = (
+                    self._sampled_sum + live[1],
+                    self._sampled_count + 1,
+                )
+            # the mean of the interval's losses read so far: steadier than one step's
+            mean = self._sampled_sum / self._sampled_count if self._sampled_count else None
+            loss = f"loss {mean:.4g}" if mean is not None else ""
             self._bar.update(
                 self._task,
                 completed=step,
@@ -178,6 +190,33 @@ class ProgressReport:
         if self._bar is not None:
             self._bar.stop()
         self._bar, self._task, self._started_at = None, None, 0.0
+
+
+class _Fitted(Progress):
+    r"""The bar's line, its least important fields left out when the
+    terminal is too narrow for all: a line that wraps leaves a stale copy of
+    itself at each redraw. By importance: a stop's notice, the steps, the
+    loss, the speed, the time remaining, the time elapsed, the bar."""
+
+    _RANK = (1, 6, 2, 3, 5, 4, 0)  # of each column, in the order they show
+
+    def make_tasks_table(self, tasks: Any) -> Table:
+        if len(tasks) != 1:
+            return super().make_tasks_table(tasks)
+        (task,) = tasks
+        console, options = self.console, self.console.options
+        cells = [column(task) for column in self.columns]  # type: ignore[operator]
+        widths = [Measurement.get(console, options, cell).maximum for cell in cells]
+        room, chosen = console.width - 1, set[int]()
+        for index in sorted(range(len(cells)), key=lambda i: self._RANK[i]):
+            if widths[index] and sum(widths[i] + 1 for i in chosen) + widths[index] <= room:
+                chosen.add(index)
+        table = Table.grid(padding=(0, 1))
+        shown = [cells[i] for i in sorted(chosen)]
+        for _ in shown:
+            table.add_column(no_wrap=True)
+        table.add_row(*shown)
+        return table
 
 
 def _text(template: str) -> TextColumn:
