@@ -45,7 +45,7 @@ from flax_loop import (  # noqa: E402
     TrainTask,
 )
 from flax_loop.parallel import Placement  # noqa: E402
-from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, fsdp_spec  # noqa: E402
+from flax_loop.programs.sharding import DEFAULT_FSDP_MIN_BYTES, fsdp_spec  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -43,6 +43,8 @@ from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.errors import ConfigError, check_count
 from flax_loop.log import console, is_main_process
 from flax_loop.parallel import DATA_AXIS
+from flax_loop.programs.compiled import CompiledSteps
+from flax_loop.programs.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding
 from flax_loop.run.assemble import assemble
 from flax_loop.run.hand import hyperparams_changer
 from flax_loop.run.initial import InitFn, Reader
@@ -50,8 +52,6 @@ from flax_loop.run.options import DEFAULT_MUTABLE_COLLECTIONS, Collections, Opti
 from flax_loop.run.preemption import quiet_interrupt
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import SetUpStatus
-from flax_loop.step.compiled import CompiledSteps
-from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding
 from flax_loop.task import TrainTask
 
 __all__ = ["MAX_STEPS", "DEFAULT_MUTABLE_COLLECTIONS", "Collections", "TrainLoop"]

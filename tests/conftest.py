@@ -80,7 +80,7 @@ def without_compilation_cache():
     """
     from jax.experimental.compilation_cache import compilation_cache
 
-    from flax_loop.step import cache
+    from flax_loop.programs import cache
 
     cache.clear()  # nor the programs an earlier loop of this process compiled
     jax.config.update("jax_enable_compilation_cache", False)

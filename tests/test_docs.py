@@ -62,7 +62,7 @@ def test_every_public_module_has_examples():
         param.values[0].__name__.removeprefix("flax_loop.") for param in docstring_examples()
     }
     for room in (
-        "loop", "data.feed", "step.core", "step.ema", "step.nonfinite", "step.statistics",
+        "loop", "data.feed", "step.core", "step.ema", "step.nonfinite", "programs.statistics",
         "run.initial", "checkpoint._checkpoint", "evaluation", "random", "data.batch",
     ):  # fmt: skip
         assert room in with_examples, room

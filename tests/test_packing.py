@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-import flax_loop.step.compiled
-from flax_loop.step.packing import LayoutChanged, Packing
+import flax_loop.programs.compiled
+from flax_loop.programs.packing import LayoutChanged, Packing
 from tests.helpers import MLP, BatchNormDropoutNet, digits_loop
 
 
@@ -52,7 +52,7 @@ def test_a_step_that_returns_another_structure_is_reported():
 
 def _final(monkeypatch, packed, **options):
     if not packed:
-        monkeypatch.setattr(flax_loop.step.compiled, "packing_of", lambda state: None)
+        monkeypatch.setattr(flax_loop.programs.compiled, "packing_of", lambda state: None)
     loop = digits_loop(
         BatchNormDropoutNet(),
         collections={"apply": ["dropout"]},
@@ -123,7 +123,7 @@ def test_a_large_leaf_travels_as_it_is():
 
 
 def test_a_large_state_travels_unpacked():
-    from flax_loop.step.packing import MAX_STATE_BYTES
+    from flax_loop.programs.packing import MAX_STATE_BYTES
 
     loop = digits_loop(MLP(features=(2048,)), n_steps=2)  # Adam: ~1.8 MB of state
     *_, checkpoint = list(loop)
@@ -145,7 +145,7 @@ def _wide_params(monkeypatch, width, packed):
     from flax_loop import TrainLoop, TrainTask
 
     if not packed:
-        monkeypatch.setattr(flax_loop.step.compiled, "packing_of", lambda state: None)
+        monkeypatch.setattr(flax_loop.programs.compiled, "packing_of", lambda state: None)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 40)).astype(np.float32)
     y = rng.integers(0, 4, 64).astype(np.int32)

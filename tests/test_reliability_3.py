@@ -398,7 +398,7 @@ def test_listing_races_a_pruning_writer_without_error(tmp_path):
 def test_ctrl_c_twice_while_a_step_waits_for_its_compilation_loses_no_batch(monkeypatch):
     import optax
 
-    from flax_loop.step import cache
+    from flax_loop.programs import cache
     from tests.helpers import ResumableBatches, relative_difference
 
     def run(source):

@@ -20,7 +20,7 @@ from flax_loop import (
     TrainTask,
 )
 from flax_loop.errors import CheckpointError, CheckpointMismatchError, ConfigError
-from flax_loop.step.sharding import fsdp_spec
+from flax_loop.programs.sharding import fsdp_spec
 from tests.helpers import (
     MLP,
     BatchNormDropoutNet,

@@ -184,10 +184,10 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
     import flax.linen as nn
     import optax
 
-    import flax_loop.step.variants
+    import flax_loop.programs.variants
+    from flax_loop.programs.variants import run_once_options
     from flax_loop.random import init_key
     from flax_loop.run.initial import initial_state, initialize_model
-    from flax_loop.step.variants import run_once_options
 
     class Net(nn.Module):
         @nn.compact
@@ -222,7 +222,7 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
     # The options reach the compilation: at level 0 this net's conv kernel
     # rounds differently, so the equality above is not that of one program.
     level_0 = {"xla_backend_optimization_level": 0}
-    monkeypatch.setattr(flax_loop.step.variants, "run_once_options", lambda: level_0)
+    monkeypatch.setattr(flax_loop.programs.variants, "run_once_options", lambda: level_0)
     other = initial_state(Net().init, optimizer, key, (x,), labels, mutable_collections=True)
     assert not all(
         np.array_equal(np.asarray(a), np.asarray(b))

@@ -8,14 +8,14 @@ import optax
 import pytest
 
 from flax_loop.errors import ApplyError, ConfigError
+from flax_loop.programs.state import TrainState
+from flax_loop.programs.statistics import counted
 from flax_loop.step import CORE, Context, Field, Outcome, Step, chain
 from flax_loop.step.core import declare
 from flax_loop.step.ema import with_ema
 from flax_loop.step.nonfinite import skip_nonfinite
 from flax_loop.step.objective import Objective, Part
 from flax_loop.step.parts import parts_step
-from flax_loop.step.state import TrainState
-from flax_loop.step.statistics import counted
 from flax_loop.step.supervised import supervised_loss
 from tests.helpers import MLP, cross_entropy, digits_split
 

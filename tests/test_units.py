@@ -14,10 +14,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from flax_loop.checkpoint import format, parse
 from flax_loop.parallel import DATA_AXIS
+from flax_loop.programs.state import TrainState, close_interval
+from flax_loop.programs.statistics import build_update
 from flax_loop.random import eval_key, init_key, step_keys, train_key
-from flax_loop.step.build import build_update
 from flax_loop.step.nonfinite import all_finite
-from flax_loop.step.state import TrainState, close_interval
 from tests.helpers import MLP, cross_entropy, digits_split
 
 X, Y, _, _ = digits_split()

@@ -39,6 +39,8 @@ from flax_loop.data.source import NoData
 from flax_loop.errors import ConfigError
 from flax_loop.log import console, is_main_process, log
 from flax_loop.parallel import Placement
+from flax_loop.programs.compiled import CompiledSteps
+from flax_loop.programs.state import TrainState
 from flax_loop.random import as_typed_key, labels_of, train_key
 from flax_loop.run import compile_cache
 from flax_loop.run.compiling import compiled_at_set_up
@@ -64,11 +66,9 @@ from flax_loop.run.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
 from flax_loop.run.throughput import TimeBreakdown, meter
-from flax_loop.step.compiled import CompiledSteps
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
 from flax_loop.step.several import as_one, is_several
-from flax_loop.step.state import TrainState
 from flax_loop.task import TrainTask, check_train_task
 
 

@@ -19,13 +19,13 @@ from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.errors import FlaxLoopError, LossError, last_word
 from flax_loop.log import log
 from flax_loop.parallel import Placement
+from flax_loop.programs.compiled import CompiledSteps
+from flax_loop.programs.lowering import PER_DEVICE_MODES
+from flax_loop.programs.state import TrainState
+from flax_loop.programs.statistics import counted
 from flax_loop.run.layout import StepLayout, per_device_note
-from flax_loop.step.compiled import CompiledSteps
-from flax_loop.step.lowering import PER_DEVICE_MODES
 from flax_loop.step.model import refuse_float_labels
 from flax_loop.step.objective import Objective
-from flax_loop.step.state import TrainState
-from flax_loop.step.statistics import counted
 
 
 def compiled_at_set_up(

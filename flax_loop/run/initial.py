@@ -32,16 +32,16 @@ from flax_loop.checkpoint import (
 from flax_loop.errors import CheckpointMismatchError, ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
+from flax_loop.programs.cache import identity
+from flax_loop.programs.sharding import linen_annotations
+from flax_loop.programs.state import TrainState
+from flax_loop.programs.variants import run_once
 from flax_loop.random import init_key, into_collection, same_key
 from flax_loop.run.hand import task_hyperparams
-from flax_loop.step.cache import identity
 from flax_loop.step.core import CORE, Fields, Step
 from flax_loop.step.model import SOWN
 from flax_loop.step.modules import NNXModel
 from flax_loop.step.objective import Objective
-from flax_loop.step.sharding import linen_annotations
-from flax_loop.step.state import TrainState
-from flax_loop.step.variants import run_once
 
 InitFn = Callable[..., Any]
 r"""A model's `init(rngs, *inputs, mutable=...) -> variables` (linen's)."""

@@ -22,8 +22,8 @@ from flax_loop.checkpoint import Checkpoint, SavedState
 from flax_loop.data.feed import BatchFeed
 from flax_loop.errors import ConfigError
 from flax_loop.parallel import Placement, to_host
-from flax_loop.step.compiled import CompiledSteps
-from flax_loop.step.state import IntervalResult, IntervalStatistics, TrainState
+from flax_loop.programs.compiled import CompiledSteps
+from flax_loop.programs.state import IntervalResult, IntervalStatistics, TrainState
 
 CHUNK = 64
 r"""Dispatches' losses stacked on the devices per host transfer."""

@@ -16,14 +16,14 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from flax_loop.parallel import Placement
+from flax_loop.programs.cache import identity
+from flax_loop.programs.sharding import Sharding, chosen_sharding, is_replicated, state_shardings
+from flax_loop.programs.state import TrainState
 from flax_loop.run.initial import parameter_annotations
 from flax_loop.run.options import Options
 from flax_loop.step.build import task_step
-from flax_loop.step.cache import identity
 from flax_loop.step.core import Step
 from flax_loop.step.objective import Objective
-from flax_loop.step.sharding import Sharding, chosen_sharding, is_replicated, state_shardings
-from flax_loop.step.state import TrainState
 from flax_loop.task import TrainTask
 
 
@@ -35,7 +35,7 @@ class StepLayout:
     r"""the task's step (its fields declared by its transforms)."""
 
     sharding: Sharding
-    r"""the chosen layout (`flax_loop.step.sharding`)."""
+    r"""the chosen layout (`flax_loop.programs.sharding`)."""
 
     annotations: Any
     r"""the model's own partition specs, if read."""
@@ -49,7 +49,7 @@ class StepLayout:
 
     program_key: Hashable
     r"""what determines the step's programs but the shapes they take
-    (`flax_loop.step.cache`)."""
+    (`flax_loop.programs.cache`)."""
 
     @property
     def sharded(self) -> bool:

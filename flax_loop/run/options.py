@@ -18,12 +18,12 @@ from jax.sharding import Mesh
 from flax_loop.checkpoint import CheckpointFileReader, OrbaxCheckpointReader
 from flax_loop.errors import ConfigError, check_count
 from flax_loop.parallel import DATA_AXIS
+from flax_loop.programs.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding, check_sharding
 from flax_loop.run.initial import InitFn, Reader
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.step import several
 from flax_loop.step.modules import as_init
 from flax_loop.step.nonfinite import MODES as NONFINITE_MODES
-from flax_loop.step.sharding import DEFAULT_FSDP_MIN_BYTES, Sharding, check_sharding
 
 DEFAULT_MUTABLE_COLLECTIONS: CollectionFilter = DenyList("intermediates")
 r"""every collection but `intermediates` may change while training."""

@@ -27,6 +27,7 @@ from flax_loop.data.feed import BatchFeed, DispatchPlan
 from flax_loop.errors import DataExhaustedError, StateLostError, StoppedError
 from flax_loop.log import log
 from flax_loop.parallel import InFlight, Placement
+from flax_loop.programs.compiled import CompiledSteps
 from flax_loop.run import memory
 from flax_loop.run.hand import changed_state
 from flax_loop.run.interval import Intervals
@@ -41,7 +42,6 @@ from flax_loop.run.preemption import (
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.throughput import Throughput, TimeBreakdown, done_line
-from flax_loop.step.compiled import CompiledSteps
 
 INTERRUPTED = (
     "interrupted at step {step:,}: the steps since the last checkpoint written are in "

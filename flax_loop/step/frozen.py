@@ -52,7 +52,7 @@ class FrozenModels:
     def key(self) -> Hashable:
         r"""What determines the programs: each model's structure (an NNX
         module's graph definition), never its values (they are arguments)."""
-        from flax_loop.step.cache import signature
+        from flax_loop.step.keys import signature
 
         return tuple(
             (name, self._nnx[name].graphdef if name in self._nnx else signature(value))

@@ -4,7 +4,7 @@ The `compute_loss` form, and the supervised one (`step/supervised`), as a
 step: the loss of the batch with the model bound to the step's variables,
 its gradient with respect to the step's `model_params`, the optimizer's
 update. Written for the whole batch, it is the same program on one device
-and on many (the loop lays it out; `flax_loop.step.lowering`). Built with
+and on many (the loop lays it out; `flax_loop.programs.lowering`). Built with
 an `axis_name`, it is the per-device form instead, for a model or loss
 that names the batch axis: each device computes the loss of its share, and
 the gradients, the loss, the metrics and the floating-point leaves of the

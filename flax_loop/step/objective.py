@@ -123,11 +123,11 @@ class Objective:
 
     def key(self) -> Hashable:
         r"""What determines the step this objective computes, as a cache key
-        (`flax_loop.step.cache`): the model (an NNX module by its graph
+        (`flax_loop.programs.cache`): the model (an NNX module by its graph
         definition, a linen `apply` by identity), the losses, each part's
         optimizer and trainable filter, the RNG labels, the mutable
         collections, the frozen models and the batches' structure."""
-        from flax_loop.step.cache import identity
+        from flax_loop.step.keys import identity
 
         model = self._nnx.graphdef if self._nnx is not None else identity(self._apply)
         frozen = () if self.frozen is None else self.frozen.key()

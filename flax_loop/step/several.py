@@ -174,7 +174,7 @@ class ByModel:
 
 by_model = functools.cache(ByModel)
 r"""`ByModel(name)`, one object a name; a re-run's programs are found again
-(`step/cache` keys a filter by identity)."""
+(`programs/cache` keys a filter by identity)."""
 
 
 def default_trainable(task: Any) -> Any:

@@ -20,12 +20,12 @@ import numpy as np
 from flax_loop.data.batch import Batch
 from flax_loop.data.feed import LAST, MANY, MANY_LAST, DispatchPlan
 from flax_loop.parallel import Placement
-from flax_loop.step import cache
-from flax_loop.step.cache import identity, signature
-from flax_loop.step.lowering import PER_DEVICE_MODES, lower_update
-from flax_loop.step.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
-from flax_loop.step.state import TrainState, close_interval
-from flax_loop.step.statistics import Update
+from flax_loop.programs import cache
+from flax_loop.programs.cache import identity, signature
+from flax_loop.programs.lowering import PER_DEVICE_MODES, lower_update
+from flax_loop.programs.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
+from flax_loop.programs.state import TrainState, close_interval
+from flax_loop.programs.statistics import Update
 
 _POLL_SECONDS = 0.05
 
@@ -143,7 +143,7 @@ class Variants:
         r"""builds the update written per device (`None`: the update is the
         only one), for a model or loss that names the batch axis."""
         r"""what determines the programs but their arguments' shapes, or `None`
-        (compile every program: `flax_loop.step.cache`)."""
+        (compile every program: `flax_loop.programs.cache`)."""
         self.unpacked: Hashable = None
         r"""the unpacked state's signature (the programs unpack it), once
         `first` settled it."""
@@ -367,7 +367,7 @@ def run_once(
 ) -> Any:
     r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
     once (an initialization), compiled with `run_once_options()`; with a
-    `key` (what determines `fn`: `flax_loop.step.cache`), compiled once a
+    `key` (what determines `fn`: `flax_loop.programs.cache`), compiled once a
     process for the arguments' shapes."""
 
     def compile() -> Any:

@@ -42,8 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_loop.errors import ConfigError
 from flax_loop.parallel import DATA_AXIS, Placement, key_names
+from flax_loop.programs.state import TrainState
 from flax_loop.step.core import Field
-from flax_loop.step.state import TrainState
 
 ShardingRule = Callable[[tuple[str, ...], Any], PartitionSpec]
 r"""`rule(path, leaf) -> PartitionSpec`; the layout of one parameter."""

@@ -23,7 +23,7 @@ class TrainState(NamedTuple):
     step. A NamedTuple, whose pytree handling is the fastest JAX has. The
     gradients are not part of it: carrying them from step to step forces XLA
     to materialize them apart from the optimizer's update, which slows a
-    small model's step (`flax_loop.step.lowering`'s closing step returns them).
+    small model's step (`flax_loop.programs.lowering`'s closing step returns them).
     """
 
     counters: jax.Array

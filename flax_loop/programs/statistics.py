@@ -7,7 +7,7 @@ non-finite steps and the first of them, the sums of the loss and the
 metrics) advanced on the devices.
 
 >>> import jax, jax.numpy as jnp
->>> from flax_loop.step.state import TrainState
+>>> from flax_loop.programs.state import TrainState
 >>> from flax_loop.step.core import Outcome, Step
 >>> def constant(fields, batch, context):
 ...     return fields, Outcome(jnp.float32(0.5), {"accuracy": jnp.float32(1)}, {}, True)
@@ -19,22 +19,27 @@ metrics) advanced on the devices.
 ([2, 0, 0], 1.0, 2.0)
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax.core.scope import CollectionFilter
+from jax.sharding import NamedSharding
 
 from flax_loop.data.batch import Batch
 from flax_loop.errors import ApplyError
 from flax_loop.parallel import key_names
+from flax_loop.programs.state import TrainState
+from flax_loop.step.build import task_step
 from flax_loop.step.core import Context, Step
-from flax_loop.step.objective import StepInputs
-from flax_loop.step.state import TrainState
+from flax_loop.step.objective import Objective, Part, StepInputs
+from flax_loop.step.supervised import supervised_loss
 
 Update = Callable[[TrainState, Batch, Any], tuple[TrainState, tuple[jax.Array, Any]]]
 r"""`update(state, batch, inputs) -> (state, (loss, grads))`; what the
-compiled variants run (`flax_loop.step.lowering`); `inputs` a `StepInputs`, or
+compiled variants run (`flax_loop.programs.lowering`); `inputs` a `StepInputs`, or
 without frozen models the training key alone."""
 
 
@@ -107,7 +112,46 @@ def counted(step: Step) -> Update:
         )
         return new_state, (outcome.loss.astype(jnp.float32), outcome.grads)
 
-    # Every variant of the step (`flax_loop.step.lowering`) inlines this one trace:
+    # Every variant of the step (`flax_loop.programs.lowering`) inlines this one trace:
     # the model's and the loss's Python runs once per loop, not once per
     # variant, and each program is what it would be had it traced them itself.
     return jax.jit(update, inline=True)
+
+
+def build_step(
+    objective: Objective,
+    axis_name: str | None,
+    skip: bool = False,
+    shards: NamedSharding | None = None,
+    ema_decay: float | None = None,
+    frozen: Callable[[Any], Any] | None = None,
+) -> tuple[Update, Step]:
+    r"""`task_step`'s step, and the update the loop compiles of it (`counted`)."""
+    step = task_step(objective, axis_name, skip, shards, ema_decay, frozen)
+    return counted(step), step
+
+
+def build_update(
+    apply: Callable[..., Any],
+    loss: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    rng_labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+    axis_name: str | None,
+    skip: bool = False,
+    ema_decay: float | None = None,
+) -> tuple[Update, Step]:
+    r"""`build_step` of a supervised task: `loss(*outputs, *targets)` with one
+    optimizer over every parameter.
+
+    Args:
+        apply: the model's apply function.
+        loss: the loss function, `loss(*outputs, *targets)`.
+        optimizer: the optimizer.
+        rng_labels: RNG collections to derive keys for (e.g. `["dropout"]`).
+        mutable_collections: the collections `apply` may change.
+        axis_name, skip, ema_decay: as `task_step` takes them.
+    """
+    parts = [Part(None, supervised_loss(loss), optimizer, None)]
+    objective = Objective(parts, apply, rng_labels, mutable_collections, supervised=True)
+    return build_step(objective, axis_name, skip, ema_decay=ema_decay)

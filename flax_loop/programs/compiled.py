@@ -21,12 +21,12 @@ import numpy as np
 from flax_loop.data.batch import Batch
 from flax_loop.data.feed import LAST, MANY, MANY_LAST, ONE, SHORTER, DispatchPlan
 from flax_loop.parallel import Placement
-from flax_loop.step import cache
-from flax_loop.step.cache import identity, signature
-from flax_loop.step.lowering import lower_update
-from flax_loop.step.state import TrainState
-from flax_loop.step.statistics import Update
-from flax_loop.step.variants import (
+from flax_loop.programs import cache
+from flax_loop.programs.cache import identity, signature
+from flax_loop.programs.lowering import lower_update
+from flax_loop.programs.state import TrainState
+from flax_loop.programs.statistics import Update
+from flax_loop.programs.variants import (
     Compiling,
     Variants,
     abstract,
@@ -55,7 +55,7 @@ class CompiledSteps:
     recompilation.
 
     Args:
-        update: the update of the whole batch (`flax_loop.step.statistics.counted`).
+        update: the update of the whole batch (`flax_loop.programs.statistics.counted`).
         placement, state: the devices; the initial state, placed.
         sample_batch: `sample_batch(n_steps)`, a batch as the steps take it
             (`n_steps` stacked for several), for the programs' shapes.
@@ -68,7 +68,7 @@ class CompiledSteps:
         defer: compile each program when first called (nothing left to
             train; the first variant is still traced, for its errors).
         program_key: what determines the programs but their arguments'
-            shapes (`flax_loop.step.cache`), or `None` (compile all anew).
+            shapes (`flax_loop.programs.cache`), or `None` (compile all anew).
         per_device: builds the same step written per device, run instead
             when the update names the batch axis (`mode`), or `None`.
     """
@@ -99,7 +99,7 @@ class CompiledSteps:
         call raises `KeyboardInterrupt` instead, before running anything."""
         needed = plan.needed()
         first = needed[0]
-        # A replicated state travels packed: fewer arrays a call (flax_loop.step.packing).
+        # A replicated state travels packed: fewer arrays a call (flax_loop.programs.packing).
         packing = None if shardings is not None else packing_of(state)
         batch = sample_batch(1)
         stacked = sample_batch(plan.steps_per_dispatch) if plan.steps_per_dispatch > 1 else None
@@ -115,7 +115,7 @@ class CompiledSteps:
         )
         self.packing = packing
         r"""the layout the state travels in, or `None` (a sharded state)."""
-        self.mode = mode  # (`flax_loop.step.lowering`): how the programs run
+        self.mode = mode  # (`flax_loop.programs.lowering`): how the programs run
         # the unpacked state's shapes and layout, for the programs below
         self._unpacked = jax.tree.map(abstract, state)
         self.state = packed

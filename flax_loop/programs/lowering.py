@@ -9,15 +9,15 @@ sharded; the batch split along the batch axis), the compiler placing the
 collectives (the gradients' all-reduce among them). A step written for one
 device (`PER_DEVICE_MODES`: a model or loss that names the batch axis)
 runs under `jax.shard_map` instead. The state is donated, and a replicated
-one travels packed (`flax_loop.step.packing`).
+one travels packed (`flax_loop.programs.packing`).
 
 >>> import jax, optax
 >>> import numpy as np
 >>> import flax.linen as nn
->>> from flax_loop.step.lowering import lower_update
+>>> from flax_loop.programs.lowering import lower_update
 >>> from flax_loop.parallel import Placement
->>> from flax_loop.step.state import TrainState
->>> from flax_loop.step.build import build_update
+>>> from flax_loop.programs.state import TrainState
+>>> from flax_loop.programs.statistics import build_update
 >>> def loss(logits, labels):
 ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 >>> model = nn.Dense(3)
@@ -44,9 +44,9 @@ from jax.sharding import PartitionSpec
 
 from flax_loop.data.batch import Batch
 from flax_loop.parallel import Placement
-from flax_loop.step.packing import LayoutChanged, Packing, on_packed
-from flax_loop.step.state import TrainState, close_interval
-from flax_loop.step.statistics import Update
+from flax_loop.programs.packing import LayoutChanged, Packing, on_packed
+from flax_loop.programs.state import TrainState, close_interval
+from flax_loop.programs.statistics import Update
 
 UPDATE_MODES = ("jit", "global", "shard_map", "gspmd")
 PER_DEVICE_MODES = ("shard_map", "gspmd")
@@ -73,7 +73,7 @@ def lower_update(
     to compile (tracing errors of the model or the loss are raised here).
 
     Args:
-        update: the per-device update (`flax_loop.step.statistics.counted`).
+        update: the per-device update (`flax_loop.programs.statistics.counted`).
         placement: the devices to run on.
         state: the state (used for its shapes and layout).
         batch: a batch (used for its shapes and layout); with `n_steps > 1`,
