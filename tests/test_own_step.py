@@ -636,3 +636,40 @@ def test_a_step_without_data_and_without_input_sample_is_told_what_to_pass():
             devices=jax.devices()[:1],
             stdout=False,
         )
+
+
+def test_a_carry_added_or_dropped_on_resume_is_refused(tmp_path):
+    """A task's carry is part of what its step computes: a file with one is
+    not resumed without it, nor a file without one by a task that has one."""
+    from flax_loop.errors import CheckpointMismatchError
+
+    def counting(state, batch, *, rng, step):
+        state, metrics = plain_update(state, batch, rng=rng, step=step)
+        if state.carry is None:
+            return state, metrics
+        return state.replace(carry={"n": state.carry["n"] + 1}), metrics
+
+    def loop(directory, **task):
+        return TrainLoop(
+            init=CheckpointFileReader(dir=str(directory), target=REGRESSOR.init),
+            task=TrainTask(
+                REGRESSOR.apply, optax.sgd(0.1), data=ResumableBatches(X, Y, 32),
+                update=counting, **task,
+            ),
+            rnkey=jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2,
+            devices=jax.devices()[:1], stdout=False,
+        )  # fmt: skip
+
+    with_carry, without = tmp_path / "with", tmp_path / "without"
+    for directory, task in ((with_carry, {"carry": {"n": jnp.int32(0)}}), (without, {})):
+        with CheckpointFileWriter(output_dir=str(directory)) as write:
+            write(loop(directory, **task).next_checkpoint())
+    with pytest.raises(
+        CheckpointMismatchError, match="the file carries 'carry'.*this task does not"
+    ):
+        loop(with_carry)
+    with pytest.raises(
+        CheckpointMismatchError, match="this task carries 'carry'.*the file does not"
+    ):
+        loop(without, carry={"n": jnp.int32(0)})
+    assert loop(with_carry, carry={"n": jnp.int32(0)}).step == 2  # as it was written: resumes

@@ -35,12 +35,34 @@ from typing import Any, ClassVar, TypeVar
 import jax
 
 from flax_loop.checkpoint._names import FORMAT_VERSION, LeftOut
-from flax_loop.errors import ConfigError
+from flax_loop.errors import CheckpointMismatchError, ConfigError
 
 Metrics = Mapping[str, Any]
 r"""Metric values by name, e.g. `{"accuracy": 0.97}`."""
 
 _Form = TypeVar("_Form", bound="Saved")
+
+
+HELD_AS_SAVED = ("carry",)
+r"""Carried fields a run resumes only from a file that holds them, and a
+file that holds them only into a run that carries them: the task's carry
+(`TrainTask(carry=...)`) is part of what the step computes, so starting it
+afresh mid-run, or dropping it, would silently change the run (a moving
+average, by contrast, may start at a resume)."""
+
+
+def check_held_as_saved(stored: set[str], wanted: set[str], where: str) -> None:
+    r"""A `CheckpointMismatchError` when `HELD_AS_SAVED` fields differ
+    between a file's carried fields (`stored`) and a run's (`wanted`)."""
+    for name in HELD_AS_SAVED:
+        if (name in stored) == (name in wanted):
+            continue
+        has, lacks = ("the file", "this task") if name in stored else ("this task", "the file")
+        raise CheckpointMismatchError(
+            f"{where}: {has} carries {name!r} (TrainTask({name}=...)) and {lacks} does "
+            f"not; a run resumed so would start or drop it silently. Resume with the "
+            f"task that wrote the file, or start a new directory."
+        )
 
 
 @dataclass

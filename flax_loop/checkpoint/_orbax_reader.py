@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from flax_loop.checkpoint._checkpoint import CheckpointFile
+from flax_loop.checkpoint._checkpoint import CheckpointFile, check_held_as_saved
 from flax_loop.checkpoint._names import one_directory
 from flax_loop.checkpoint._orbax_store import (
     FORMAT_VERSION,
@@ -156,6 +156,8 @@ class OrbaxCheckpointReader:
         index = manager.item_metadata(step)[STATE_ITEM]
         stored = getattr(index, "tree", index)
         carried = {name: tree for name, tree in template.carried.items() if tree is not None}
+        held = set(stored) - set(PARTS) if isinstance(stored, dict) else set()
+        check_held_as_saved(held, set(template.carried), where)
         for name in stored if isinstance(stored, dict) else ():
             # a field the step carried is restored: into the loop's layout when
             # the loop carries it too, else as stored (and then dropped)

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 from flax import serialization
 
-from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved
+from flax_loop.checkpoint._checkpoint import CheckpointFile, Saved, check_held_as_saved
 from flax_loop.checkpoint._frozen import flatten, inserted
 from flax_loop.checkpoint._names import REGULAR_PREFIX, LeftOut, one_directory
 from flax_loop.checkpoint.format import list_steps, restore_key
@@ -201,6 +201,7 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
     # and the file has it; a loop that starts carrying one starts it afresh
     # (the step's `init`), and one the loop no longer carries is dropped.
     wanted, held = template.arrays(), file.arrays()
+    check_held_as_saved(set(file.carried), set(template.carried), path)
     parts = STATE_PARTS + tuple(
         name for name in template.carried if wanted[name] is not None and name in held
     )
