@@ -183,13 +183,14 @@ def in_a_terminal(every, sleep, presses, columns=None):
         from tests.flags import xla_flags
 
         environment = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, as a reader's
-        os.execve(sys.executable, [sys.executable, "-c", program], environment)
-    if columns is not None:  # the terminal's size, as a narrow window has it
-        import fcntl
-        import struct
-        import termios
+        if columns is not None:  # the terminal's size, set before the program starts
+            import fcntl
+            import struct
+            import termios
 
-        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+            fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+            environment.pop("COLUMNS", None)
+        os.execve(sys.executable, [sys.executable, "-c", program], environment)
     output = b""
 
     def read_until(text, seconds):
