@@ -96,11 +96,9 @@ def test_ls_lists_steps_files_status_and_the_file_each_resume_reads(files):
         "highest.eval.accuracy.6.ckpt",
         "regular.6.ckpt",
     ]
-    assert out.count("<- resumes") == 3  # two rows, and the line saying what it means
-    assert (
-        "<- resumes: HighestCheckpointFileReader reads highest.eval.accuracy.6.ckpt; "
-        "CheckpointFileReader reads regular.6.ckpt." in out
-    )
+    assert out.count("<- resumes") == 4  # two rows, and a line for each saying what it means
+    assert "<- resumes: HighestCheckpointFileReader reads highest.eval.accuracy.6.ckpt." in out
+    assert "<- resumes: CheckpointFileReader reads regular.6.ckpt." in out
 
 
 def test_verify_exits_1_naming_each_bad_file_and_0_when_all_are_intact(files):
@@ -120,7 +118,7 @@ def test_show_prints_metadata_and_every_array(files):
     assert "model_params/Dense_0/kernel (64, 64) float32 16.0 KiB" in out
     assert "optimizer_state/0/mu/Dense_0/kernel (64, 64) float32" in out  # Adam's moments
     status, out = inspect("show", files / "highest.eval.accuracy.6.ckpt")
-    assert "metrics: eval: accuracy 0.5" in out
+    assert "metrics: eval/accuracy: 0.5" in out
 
 
 def test_show_on_a_damaged_file_prints_its_metadata_and_marks_the_bad_array(files):
@@ -244,3 +242,30 @@ def test_verify_names_what_stands_where_a_directory_or_file_was_expected(tmp_pat
     assert f"{len(checkpoints)} of {len(checkpoints) + 1} checkpoints" in out
     newest = CheckpointFileReader(dir=str(good), target=None).read_newest()
     assert newest.step == checkpoints[-1].step
+
+
+def test_ls_and_show_fit_80_columns_a_line_each(tmp_path, checkpoints):
+    """No line of `ls` or `show` is wider than 80 columns with many metrics
+    and two readers (one line a metric, one line a reader), so none wraps
+    mid-word."""
+    from flax_loop import HighestCheckpointFileWriter
+
+    last = checkpoints[-1]
+    metrics = {"eval": {f"metric_number_{index}": 0.5 + index for index in range(8)}}
+    with HighestCheckpointFileWriter(
+        metric="metric_number_0", output_dir=str(tmp_path), stdout=False
+    ) as write:
+        write(Summary(**{**last.__dict__, "metrics": metrics}))
+    with CheckpointFileWriter(output_dir=str(tmp_path), stdout=False) as write:
+        write(last)
+    for argv in (("ls", tmp_path), ("show", tmp_path / f"regular.{last.step}.ckpt"),
+                 ("show", next(tmp_path.glob("highest.*")))):  # fmt: skip
+        output = io.StringIO()
+        main(list(map(str, argv)), console=Console(file=output, width=80))
+        lines = [line.strip() for line in output.getvalue().splitlines()]
+        assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+        if argv[0] == "ls":  # each reader's line whole, none folded into the next
+            assert f"<- resumes: CheckpointFileReader reads regular.{last.step}.ckpt." in lines
+            assert sum(line.startswith("<- resumes: ") for line in lines) == 2
+        elif "highest" in str(argv[1]):
+            assert "eval/metric_number_7: 7.5" in lines  # one line a metric

@@ -509,7 +509,7 @@ def test_a_variable_whose_dtype_a_step_changes_is_named_in_both_layouts(monkeypa
     import jax.numpy as jnp
 
     from flax_loop.errors import ApplyError
-    from flax_loop.step import compiled
+    from flax_loop.programs import compiled
     from tests.helpers import MLP
 
     class Counting(nn.Module):

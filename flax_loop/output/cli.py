@@ -162,9 +162,11 @@ def _ls(directory: str, console: Console) -> int:
     for entry in entries:
         if not entry.intact:
             console.print(f"{entry.status}: {_problem(entry)}", markup=False)
-    reads = [f"{_READERS.get(e.kind, e.kind)} reads {e.name}" for e in entries if e.resume]
-    if reads:
-        console.print(f"<- resumes: {'; '.join(reads)}.", markup=False)
+    # one line a reader: a line of them all wrapped mid-name at 80 columns
+    for entry in entries:
+        if entry.resume:
+            reader = _READERS.get(entry.kind, entry.kind)
+            console.print(f"<- resumes: {reader} reads {entry.name}.", markup=False)
     return _exit_status(entries)
 
 
@@ -213,10 +215,10 @@ def _show(path: str, console: Console) -> int:
     console.print(f"  run key stored: {'yes' if contents.has_rnkey else 'no'}")
     metrics = contents.metrics if isinstance(contents.metrics, dict) else {}
     console.print("  metrics:" + ("" if metrics else " none"))
-    for group, values in metrics.items():
+    for group, values in metrics.items():  # one line a metric: none wraps at 80 columns
         shown = values.items() if isinstance(values, dict) else [("", values)]
-        line = ", ".join(f"{name} {_value(value)}" for name, value in shown)
-        console.print(f"    {group}: {line}", markup=False)
+        for name, value in shown:
+            console.print(f"    {group}/{name}: {_value(value)}".replace("/:", ":"), markup=False)
     console.print(f"  data state: {_value(contents.data_state)}", markup=False)
     if contents.left_out:
         console.print(

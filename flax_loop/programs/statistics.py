@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.core.scope import CollectionFilter
-from jax.sharding import NamedSharding
 
 from flax_loop.data.batch import Batch
 from flax_loop.errors import ApplyError
@@ -118,19 +117,6 @@ def counted(step: Step) -> Update:
     return jax.jit(update, inline=True)
 
 
-def build_step(
-    objective: Objective,
-    axis_name: str | None,
-    skip: bool = False,
-    shards: NamedSharding | None = None,
-    ema_decay: float | None = None,
-    frozen: Callable[[Any], Any] | None = None,
-) -> tuple[Update, Step]:
-    r"""`task_step`'s step, and the update the loop compiles of it (`counted`)."""
-    step = task_step(objective, axis_name, skip, shards, ema_decay, frozen)
-    return counted(step), step
-
-
 def build_update(
     apply: Callable[..., Any],
     loss: Callable[..., Any],
@@ -141,8 +127,8 @@ def build_update(
     skip: bool = False,
     ema_decay: float | None = None,
 ) -> tuple[Update, Step]:
-    r"""`build_step` of a supervised task: `loss(*outputs, *targets)` with one
-    optimizer over every parameter.
+    r"""A supervised task's step (`loss(*outputs, *targets)`, one optimizer
+    over every parameter) and the update the loop compiles of it (`counted`).
 
     Args:
         apply: the model's apply function.
@@ -154,4 +140,5 @@ def build_update(
     """
     parts = [Part(None, supervised_loss(loss), optimizer, None)]
     objective = Objective(parts, apply, rng_labels, mutable_collections, supervised=True)
-    return build_step(objective, axis_name, skip, ema_decay=ema_decay)
+    step = task_step(objective, axis_name, skip, ema_decay=ema_decay)
+    return counted(step), step

@@ -151,7 +151,7 @@ class Intervals:
         loss: Any,
         ending: tuple[Any, ...] | None,
         started: float,
-        preempted: bool,
+        preempted: bool = False,
     ) -> tuple[TrainState, Checkpoint]:
         r"""The interval's checkpoint at `step`, and the state to go on with.
 

@@ -128,10 +128,8 @@ class Runner:
         if self.lost is not None:
             raise StateLostError(self.lost)
         self.state = changed_state(self.steps, self.state, self.step, fn)
-        newest = self.newest
+        newest = self.newest  # the checkpoint the body holds: a file written after has it
         if newest is not None and newest.step == self.step:
-            # The checkpoint the body holds is the state the next step
-            # takes: a file the body writes after the change holds it.
             newest.take_arrays(self.steps.copier()(self.state))
 
     def run(self, target: int | None) -> Iterator[Checkpoint]:
@@ -187,16 +185,13 @@ class Runner:
         note_process_stop(guard.signal, f"{self.stopped_by} at step {self.step:,}")
 
     def current(self) -> Checkpoint:
-        r"""The checkpoint of the state now, training nothing (the newest
-        one made, if it is of this step; else one of no completed steps)."""
+        r"""The checkpoint of the state now (the newest, or one of no steps)."""
         if self.lost is not None:
             raise StateLostError(self.lost)
-        newest = self.newest
-        if newest is None or newest.step != self.step:
-            now = time.perf_counter()
-            self.state, newest = self.intervals.close(self.state, self.step, None, None, now, False)
-            self.newest = newest
-        return newest
+        if self.newest is None or self.newest.step != self.step:
+            closed = self.intervals.close(self.state, self.step, None, None, time.perf_counter())
+            self.state, self.newest = closed
+        return self.newest
 
     def run_alone(self, boundary: int) -> Checkpoint:
         r"""Runs to `boundary` and returns its checkpoint (a `DataExhaustedError`
