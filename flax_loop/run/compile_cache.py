@@ -64,7 +64,7 @@ def use() -> str | None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    trim(folder, MAX_BYTES)
+    trim(folder, MAX_BYTES)  # once a process: the folder is set from here on
     config.update("jax_compilation_cache_dir", str(folder))
     if config.jax_persistent_cache_min_compile_time_secs == 1.0:  # JAX's default
         config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
