@@ -168,18 +168,22 @@ def test_bad_throughput_options_are_config_errors(options, message):
         run(n_steps=1, every=1, **options)
 
 
-def test_flops_are_read_from_several_steps_a_dispatch_too():
+@pytest.mark.parametrize("every", [8, 4], ids=["8-of-4", "4-of-4"])
+def test_flops_are_read_from_several_steps_a_dispatch_too(every):
+    """A checkpoint every 8 steps at 4 a dispatch compiles the groups of
+    four; every 4 at 4 only the interval's closing group (a scan of three
+    and the last step alone): its FLOPs are two steps'."""
     model = Dense3()
     loop = TrainLoop(
         model.init,
         TrainTask(model.apply, optax.adam(1e-3), cross_entropy, dense_batches()),
         jax.random.key(0),
         n_steps=16,
-        n_steps_per_checkpoint=8,
+        n_steps_per_checkpoint=every,
         steps_per_dispatch=4,
         devices=jax.devices()[:1],
         stdout=False,
     )
-    for checkpoint in loop:  # only the groups of four compile: no single step
+    for checkpoint in loop:  # no single step compiles
         assert checkpoint.throughput["flops_per_step"] == pytest.approx(by_hand(), rel=0.10)
     assert loop.compiled.status()["one"] == "on first call"

@@ -97,9 +97,12 @@ def device_peak(device: Any) -> float | None:
 def step_flops(programs: Mapping[str, Any]) -> float | None:
     r"""The FLOPs of one step on one device, from XLA's cost analysis of a
     compiled single step (`one`, else `last`), else of several steps a
-    dispatch (`many`: XLA counts the body of its scan, one step, once), or
-    `None` while none is compiled or when the backend does not count them."""
-    for name in ("one", "last", "many"):
+    dispatch (`many`: XLA counts the body of its scan, one step, once; else
+    `many_last`, a scan of all but the interval's last step and that step
+    alone: two steps, as a cadence equal to `steps_per_dispatch` compiles
+    only it), or `None` while none is compiled or when the backend does not
+    count them."""
+    for name, steps in (("one", 1), ("last", 1), ("many", 1), ("many_last", 2)):
         analysis = getattr(programs.get(name), "cost_analysis", None)
         if analysis is None:
             continue
@@ -110,7 +113,7 @@ def step_flops(programs: Mapping[str, Any]) -> float | None:
         if isinstance(costs, (list, tuple)):
             costs = costs[0] if costs else None
         flops = costs.get("flops") if isinstance(costs, Mapping) else None
-        return float(flops) if flops and flops > 0 else None
+        return float(flops) / steps if flops and flops > 0 else None
     return None
 
 
