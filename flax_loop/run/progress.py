@@ -207,7 +207,8 @@ class _Fitted(Progress):
         console, options = self.console, self.console.options
         cells = [column(task) for column in self.columns]  # type: ignore[operator]
         widths = [Measurement.get(console, options, cell).maximum for cell in cells]
-        room, chosen = console.width - 1, set[int]()
+        # 3 columns spare: a Ctrl-C the terminal echoes (^C) must not wrap it
+        room, chosen = console.width - 3, set[int]()
         for index in sorted(range(len(cells)), key=lambda i: self._RANK[i]):
             if widths[index] and sum(widths[i] + 1 for i in chosen) + widths[index] <= room:
                 chosen.add(index)
