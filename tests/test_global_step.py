@@ -14,6 +14,7 @@ import pytest
 
 from flax_loop import DATA_AXIS, TrainLoop, TrainTask
 from flax_loop.random import init_key, into_collection
+from tests.helpers import slow
 
 N_STEPS, BATCH = 12, 16
 ROUNDING = 1e-6  # relative to the largest parameter
@@ -231,7 +232,14 @@ def graph_loss(model, batch, *, rng, step):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
-@pytest.mark.parametrize("n_devices", [2, 3, 4])
+@pytest.mark.parametrize(
+    "n_devices",
+    [
+        pytest.param(2, marks=slow("3 devices: some leaves split, the labels whole")),
+        3,
+        pytest.param(4, marks=slow("3 devices: some leaves split, the labels whole")),
+    ],
+)
 def test_a_graph_batch_trains_on_any_device_count_as_on_one(n_devices):
     """On 3 devices the labels (8) do not split: they are whole on every device."""
     model, data = GraphNet(), graph_batches()
