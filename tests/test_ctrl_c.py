@@ -46,16 +46,21 @@ def test_without_a_bar_the_request_is_one_line_on_stderr(capfd):
     assert capfd.readouterr().err == "flax_loop: stopping after this step (SIGTERM received).\n"
 
 
-def test_a_stopped_run_ends_with_a_line_that_says_where_and_how_to_resume():
-    out = io.StringIO()
-    set_console(Console(file=out, width=200))
-    loop = TrainLoop(
+def stopped_by_sigusr1():
+    """A loop of 20 steps, a checkpoint every 5, stopped by SIGUSR1."""
+    return TrainLoop(
         init=MLP(features=(16,)).init,
         task=TrainTask(MLP(features=(16,)).apply, optax.sgd(0.1), cross_entropy,
                        batches(X_TRAIN, Y_TRAIN, 32)),
         rnkey=jax.random.key(0), n_steps=20, n_steps_per_checkpoint=5,
         preemption_signals=[signal.SIGUSR1],
     )  # fmt: skip
+
+
+def test_a_stopped_run_ends_with_a_line_that_says_where_and_how_to_resume():
+    out = io.StringIO()
+    set_console(Console(file=out, width=200))
+    loop = stopped_by_sigusr1()
     steps = []
     for checkpoint in loop:
         steps.append(checkpoint.step)
@@ -73,13 +78,7 @@ def test_a_stopped_run_names_the_file_a_run_again_resumes_from(tmp_path):
 
     out = io.StringIO()
     set_console(Console(file=out, width=300))
-    loop = TrainLoop(
-        init=MLP(features=(16,)).init,
-        task=TrainTask(MLP(features=(16,)).apply, optax.sgd(0.1), cross_entropy,
-                       batches(X_TRAIN, Y_TRAIN, 32)),
-        rnkey=jax.random.key(0), n_steps=20, n_steps_per_checkpoint=5,
-        preemption_signals=[signal.SIGUSR1],
-    )  # fmt: skip
+    loop = stopped_by_sigusr1()
     with CheckpointFileWriter(output_dir=str(tmp_path), stdout=False) as write:
         for checkpoint in loop:
             write(checkpoint)

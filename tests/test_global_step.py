@@ -53,15 +53,16 @@ class Normalized(nn.Module):
 
 
 def trained(model, task, n_devices, **options):
+    """The loop trained N_STEPS on `n_devices`, and its last checkpoint's
+    parameters, model state and carry on the host."""
+    settings = {"n_steps_per_checkpoint": N_STEPS, "stdout": False, **options}
     loop = TrainLoop(
         init=model.init,
         task=task,
         rnkey=jax.random.key(0),
         n_steps=N_STEPS,
-        n_steps_per_checkpoint=N_STEPS,
         devices=jax.devices()[:n_devices],
-        stdout=False,
-        **options,
+        **settings,
     )
     checkpoint = list(loop)[-1]
     return loop, jax.device_get((checkpoint.model_params, checkpoint.model_state, checkpoint.carry))
@@ -152,16 +153,7 @@ def test_a_step_written_per_device_still_trains_and_says_so(capsys):
     (the collective), so it matches one device's run of the global step."""
     per_device = Normalized(axis_name=DATA_AXIS)
     task = TrainTask(per_device.apply, optax.sgd(0.1), cross_entropy, data=batches())
-    loop = TrainLoop(
-        init=per_device.init,
-        task=task,
-        rnkey=jax.random.key(0),
-        n_steps=N_STEPS,
-        n_steps_per_checkpoint=N_STEPS,
-        devices=jax.devices()[:2],
-        mutable_collections=["batch_stats"],
-    )
-    checkpoint = list(loop)[-1]
+    _, many = trained(per_device, task, 2, mutable_collections=["batch_stats"], stdout=True)
     printed = " ".join(capsys.readouterr().out.split())
     assert f"names the batch axis '{DATA_AXIS}'" in printed and "runs per device" in printed
     whole = Normalized()
@@ -171,7 +163,6 @@ def test_a_step_written_per_device_still_trains_and_says_so(capsys):
         1,
         mutable_collections=["batch_stats"],
     )
-    many = jax.device_get((checkpoint.model_params, checkpoint.model_state, checkpoint.carry))
     assert relative_difference(one, many) < ROUNDING
 
 
@@ -183,21 +174,10 @@ def test_the_global_step_is_exact_across_cadence_and_dispatch(steps_per_dispatch
     task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, data=batches())
     options = dict(collections={"apply": ["dropout"]})
     _, straight = trained(model, task, 2, **options)
-    loop = TrainLoop(
-        init=model.init,
-        task=task,
-        rnkey=jax.random.key(0),
-        n_steps=N_STEPS,
-        n_steps_per_checkpoint=3,
-        steps_per_dispatch=steps_per_dispatch,
-        devices=jax.devices()[:2],
-        stdout=False,
-        **options,
+    _, stepped = trained(
+        model, task, 2, n_steps_per_checkpoint=3, steps_per_dispatch=steps_per_dispatch, **options
     )
-    last = list(loop)[-1]
-    for a, b in zip(
-        jax.tree.leaves(straight[0]), jax.tree.leaves(jax.device_get(last.model_params))
-    ):
+    for a, b in zip(jax.tree.leaves(straight[0]), jax.tree.leaves(stepped[0]), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
