@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from flax_loop._lazy import lazy, offer
 
-__version__ = "0.3.0"
+__version__ = "0.3.1.dev0"
 
 if TYPE_CHECKING:
     from flax_loop import errors, random

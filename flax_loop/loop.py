@@ -250,11 +250,11 @@ class TrainLoop:
         r"""one device's peak FLOP/s, for `Checkpoint.throughput`'s `mfu`:
         known for recent GPUs and TPUs (`flax_loop.run.throughput.PEAK_FLOPS`),
         or set (`loop.peak_flops = 989e12`); `None` when unknown."""
-        return self._runner.throughput.peak_flops
+        return self._runner.intervals.throughput.peak_flops
 
     @peak_flops.setter
     def peak_flops(self, value: float | None) -> None:
-        self._runner.throughput.peak_flops = value
+        self._runner.intervals.throughput.peak_flops = value
 
     @property
     def n_steps(self) -> int:

@@ -144,14 +144,6 @@ class Placement:
 
         return jax.tree.map(place, tree, shardings)
 
-    def copy(self, tree: Any) -> Any:
-        r"""Fresh device copies of a pytree of arrays, kept in their layout.
-
-        A checkpoint holds such copies, so they stay valid after the loop
-        donates its own buffers to the next step.
-        """
-        return jax.tree.map(lambda leaf: jax.device_put(leaf, leaf.sharding, may_alias=False), tree)
-
     def batch_shardings(self, tree: Any, stacked: bool = False) -> Any:
         r"""The layout of a batch (leaves with a `shape`): each leaf split
         along its batch axis (the first; the second with `stacked`) where its

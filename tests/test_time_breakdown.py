@@ -41,11 +41,13 @@ def test_the_callers_code_the_run_total_and_compiling_are_where_they_happened(
     first, second, third = (c.time_breakdown for c in checkpoints)
     for breakdown in (first, second, third):
         check_sums(breakdown)
-    # the caller's sleep is the next interval's caller time (lower bounds and
-    # comparisons only: a loaded machine stretches any upper bound)
-    assert 0.25 <= second["caller"] <= second["wall"], second
-    assert 0.25 <= third["caller"] <= third["wall"], third
-    assert first["caller"] < 0.25 <= second["caller"], first
+    # the caller's sleep is the next interval's caller time, less the moments
+    # the devices still finished the interval beside it (device time: a few
+    # ms of this MLP's steps); lower bounds and comparisons only: a loaded
+    # machine stretches any upper bound
+    assert 0.2 <= second["caller"] <= second["wall"], second
+    assert 0.2 <= third["caller"] <= third["wall"], third
+    assert first["caller"] < 0.2 <= second["caller"], first
     # compiling happens at set-up and while the first interval waits for its
     # closing step; later intervals compile nothing
     assert second["compile"] == 0 and third["compile"] == 0, (second, third)

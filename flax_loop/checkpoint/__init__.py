@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         Summary,
         expect,
     )
+    from flax_loop.checkpoint._checkpoint import arriving as arriving
+    from flax_loop.checkpoint._checkpoint import settle as settle
     from flax_loop.checkpoint._frozen import digest as digest
     from flax_loop.checkpoint._frozen import flatten as flatten
     from flax_loop.checkpoint._frozen import put_back as put_back
@@ -68,9 +70,12 @@ _HOMES = {
     "SavedState": "flax_loop.checkpoint._checkpoint",
     "as_summary": "flax_loop.checkpoint._summary",
     # for the layers above and the tests (set-up puts frozen parameters back
-    # and checks their digest, the meter reports goodput); not part of the
+    # and checks their digest, the meter reports goodput, an interval's
+    # statistics arrive after its checkpoint); not part of the
     # documented API
     "put_back": "flax_loop.checkpoint._frozen",
+    "arriving": "flax_loop.checkpoint._checkpoint",
+    "settle": "flax_loop.checkpoint._checkpoint",
     "digest": "flax_loop.checkpoint._frozen",
     "flatten": "flax_loop.checkpoint._frozen",
     "taken_from": "flax_loop.checkpoint._frozen",

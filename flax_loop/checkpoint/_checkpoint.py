@@ -152,6 +152,10 @@ class Saved:
         return self.with_arrays(fn(self.arrays()))
 
 
+_ATTRIBUTES = Saved.__dict__["__dict__"]
+r"""The instances' own attribute dict (a `Checkpoint`'s `__dict__` settles first)."""
+
+
 @dataclass
 class SavedState(Saved):
     r"""What a checkpoint saves and a run resumes from (see the module's doc)."""
@@ -218,6 +222,12 @@ class Checkpoint(Saved):
     so they stay valid after the loop moves on, and writing to them changes
     nothing the loop trains: `TrainLoop.update_state` and
     `TrainLoop.set_hyperparams` change the state the next step takes.
+
+    A `for` loop may hand a checkpoint out while the devices still compute
+    its interval's last steps (no progress bar, one process): its
+    statistics (`STATISTICS`) are filled in the first time one is read,
+    waiting for the devices then; a non-finite interval raises
+    `NonFiniteError` at that read and when a writer is given it.
 
     >>> import jax
     >>> import optax
@@ -300,6 +310,76 @@ class Checkpoint(Saved):
     `mfu`, their fraction of the device's peak, where that is known
     (`TrainLoop.peak_flops`). `{}` for a checkpoint not made by a loop."""
 
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        r"""Its attributes, its statistics settled first (`settle`), so that
+        `Summary(**vars(checkpoint), metrics=...)` copies its numbers."""
+        settle(self)
+        attributes: dict[str, Any] = _ATTRIBUTES.__get__(self)
+        return attributes
+
+
+STATISTICS = (
+    "loss",
+    "mean_loss",
+    "n_nonfinite_steps",
+    "train_metrics",
+    "losses",
+    "elapsed_time",
+    "throughput",
+)
+r"""The fields of a checkpoint that its interval's numbers fill in: a loop may
+hand the checkpoint out while the devices still compute them, and they are
+filled in the first time one is asked for (`arriving`)."""
+
+_SETTLE = "_settle"  # a checkpoint's pending statistics: `arriving`'s `settle`
+
+
+class _Statistic:
+    r"""A field of `STATISTICS`: settled before it is read (`settle`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, checkpoint: Any, owner: type | None = None) -> Any:
+        if checkpoint is None:
+            return self
+        settle(checkpoint)
+        return _ATTRIBUTES.__get__(checkpoint)[self.name]
+
+    def __set__(self, checkpoint: Any, value: Any) -> None:
+        _ATTRIBUTES.__get__(checkpoint)[self.name] = value
+
+
+for _name in STATISTICS:  # after the dataclass took the fields' defaults
+    setattr(Checkpoint, _name, _Statistic(_name))
+
+
+def arriving(checkpoint: Checkpoint, fill: Callable[[Checkpoint], None]) -> None:
+    r"""Marks `checkpoint`'s statistics as still on their way from the
+    devices: the first read of one of them (or `settle`) calls
+    `fill(checkpoint)`, which waits for them and sets the fields of
+    `STATISTICS`. A `fill` that raises (the interval went non-finite) raises
+    again at every read: a checkpoint the loop refuses is never read as if
+    it were sound."""
+    _ATTRIBUTES.__get__(checkpoint)[_SETTLE] = fill
+
+
+def settle(checkpoint: Checkpoint) -> None:
+    r"""Fills `checkpoint`'s statistics in if they are on their way (`arriving`),
+    waiting for the devices; raises the error of its interval if it has
+    one. A writer settles a checkpoint before writing it."""
+    attributes = _ATTRIBUTES.__get__(checkpoint)
+    fill = attributes.get(_SETTLE)
+    if fill is not None:
+        fill(checkpoint)
+        del attributes[_SETTLE]
+
+
+def record(checkpoint: Checkpoint) -> dict[str, Any]:
+    r"""`checkpoint`'s fields by name (its statistics settled)."""
+    return {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(checkpoint)}
+
 
 @dataclass
 class Summary(Checkpoint):
@@ -332,7 +412,9 @@ class Summary(Checkpoint):
 
 
 def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
-    r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed it.
+    r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed
+    it; then settles its statistics (`settle`: a `NonFiniteError` for a
+    checkpoint of an interval that went non-finite).
 
     >>> import jax
     >>> import optax
@@ -358,3 +440,4 @@ def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
             else "a Checkpoint or a Summary"
         )
         raise ConfigError(f"{who} needs {wanted}; got {type(value).__name__}.")
+    settle(value)  # a checkpoint whose interval went non-finite is never written

@@ -6,7 +6,7 @@ from typing import Any
 import jax
 import optax
 
-from flax_loop.checkpoint._checkpoint import Checkpoint, Summary
+from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, record
 from flax_loop.parallel import to_host
 
 
@@ -103,7 +103,7 @@ def summarize(checkpoint: Checkpoint, group: str, metrics: Mapping[str, float]) 
     if "train" not in groups:
         groups["train"] = train_statistics(checkpoint)
     groups[group] = {**groups.get(group, {}), **metrics}
-    fields = {k: v for k, v in vars(checkpoint).items() if k != "metrics"}
+    fields = {k: v for k, v in record(checkpoint).items() if k != "metrics"}
     return Summary(metrics=groups, **fields)
 
 
@@ -111,5 +111,5 @@ def as_summary(checkpoint: Checkpoint) -> Summary:
     r"""A summary as it is, or a plain checkpoint's training statistics as one."""
     if isinstance(checkpoint, Summary):
         return checkpoint
-    fields = dict(vars(checkpoint))
-    return Summary(metrics={"train": train_statistics(checkpoint)}, **fields)
+    statistics = train_statistics(checkpoint)
+    return Summary(metrics={"train": statistics}, **record(checkpoint))

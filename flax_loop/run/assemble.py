@@ -65,7 +65,7 @@ from flax_loop.run.options import (
 from flax_loop.run.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
-from flax_loop.run.throughput import TimeBreakdown, meter
+from flax_loop.run.throughput import Throughput, TimeBreakdown, meter
 from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
 from flax_loop.step.several import as_one, is_several
@@ -126,7 +126,8 @@ def assemble(
         finished, stdout,
     )  # fmt: skip
     trained_part = objective.trained(start.model_params)
-    intervals = _intervals(steps, placement, feed, key, options, step, objective, layout)
+    rates = meter(feed, tree, placement, task.tokens, task.examples)
+    intervals = _intervals(steps, placement, feed, key, options, step, objective, layout, rates)
     intervals.caller_state.update(start.caller_state or {})  # a resumed run's
     setup_seconds = time.perf_counter() - started
     runner = Runner(
@@ -139,7 +140,6 @@ def assemble(
         intervals,
         placement,
         guard,
-        meter(feed, tree, placement, task.tokens, task.examples),
         TimeBreakdown(setup_seconds, steps.compile_seconds),
         stdout,
         report,
@@ -286,6 +286,7 @@ def _intervals(
     step: int,
     objective: Objective,
     layout: StepLayout,
+    rates: Throughput,
 ) -> Intervals:
     r"""The run's interval closer: what each checkpoint says of the task
     (the frozen parameters, the fields that mirror them, the optimizers'
@@ -298,6 +299,7 @@ def _intervals(
         key,
         options.nonfinite == "raise",
         step,
+        rates,
         frozen=objective.trained(params).frozen_mask(),
         mirrors_params=tuple(
             name for name, field in layout.step.fields.items() if field.mirrors_params

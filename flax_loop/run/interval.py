@@ -1,12 +1,16 @@
-r"""The end of an interval: its statistics read once, the non-finite check,
-the `Checkpoint`, its rates and where its time went.
+r"""The end of an interval: its statistics, the non-finite check, the
+`Checkpoint`, its rates and where its time went.
 
 The loop runs steps; at each checkpoint `Intervals.close` copies the state
 (the copies outlive the loop's donated buffers), closes the interval on the
-devices (one host transfer of its statistics), raises for non-finite values
-and assembles the `Checkpoint` with the data state of that moment; the
-run's meters (`Throughput`, `TimeBreakdown`, set up and described in
-`flax_loop.run.throughput`) add its rates and its time by part.
+devices and assembles the `Checkpoint` with the data state of that moment.
+Its statistics cross to the host in one transfer (`flax_loop.run.arrival`):
+at once, or, when the loop hands the checkpoint out before the devices
+finish (`later`), on their own thread while the caller's body runs; they
+are filled in, the non-finite check raising, when first asked for and
+before the next interval starts. The run's meters (`Throughput`,
+`TimeBreakdown`, set up and described in `flax_loop.run.throughput`) add
+its rates and its time by part.
 """
 
 import time
@@ -15,88 +19,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
-from flax_loop.checkpoint import Checkpoint, SavedState
+from flax_loop.checkpoint import Checkpoint, SavedState, arriving, settle
 from flax_loop.data.feed import BatchFeed
 from flax_loop.errors import ConfigError
-from flax_loop.parallel import Placement, to_host
+from flax_loop.parallel import Placement
 from flax_loop.programs.compiled import CompiledSteps
-from flax_loop.programs.state import IntervalResult, IntervalStatistics, TrainState
-
-CHUNK = 64
-r"""Dispatches' losses stacked on the devices per host transfer."""
-
-STACK_FROM = 8
-r"""A checkpoint reads fewer pending losses than this one by one."""
-
-
-@jax.jit
-def _stacked(*losses: jax.Array) -> jax.Array:
-    return jnp.stack(losses)
-
-
-class LossHistory:
-    r"""Every step's loss of an interval, kept on the devices, read at its checkpoint.
-
-    Reading a device array costs the host as much as a small model's step,
-    so the dispatches' losses (a scalar, or a vector for several steps a
-    dispatch) are stacked on the devices in chunks of `CHUNK` (one cheap
-    dispatch) and each chunk crosses to the host at once.
-
-    >>> history = LossHistory()
-    >>> for value in range(70):
-    ...     history.append(jnp.float32(value))
-    >>> history.extend(jnp.arange(70.0, 74.0))
-    >>> history.extend(jnp.arange(74.0, 76.0))
-    >>> history.read()[[0, 63, 64, 69, 71, 75]]
-    array([ 0., 63., 64., 69., 71., 75.], dtype=float32)
-    """
-
-    def __init__(self) -> None:
-        # (device array, how many of its rows count; None: all of it)
-        self._parts: list[tuple[Any, int | None]] = []
-        self._pending: list[jax.Array] = []  # losses of one shape, not stacked yet
-        self._shape: tuple[int, ...] = ()  # theirs: () or (steps a dispatch,)
-
-    def append(self, loss: jax.Array) -> None:
-        r"""Notes one step's loss (a scalar)."""
-        if self._shape:
-            self._stack_pending()
-            self._shape = ()
-        pending = self._pending
-        pending.append(loss)
-        if len(pending) == CHUNK:
-            self._stack_pending()
-
-    def extend(self, losses: jax.Array) -> None:
-        r"""Notes one dispatch's losses of several steps (a vector)."""
-        if losses.shape != self._shape:  # (the group that ends an interval may be shorter)
-            self._stack_pending()
-            self._shape = losses.shape
-        self._pending.append(losses)
-        if len(self._pending) == CHUNK:
-            self._stack_pending()
-
-    def read(self) -> np.ndarray:
-        r"""The losses noted since the last read, in order, as float32; then
-        starts again."""
-        self._stack_pending()
-        parts, self._parts = self._parts, []
-        values = [
-            np.reshape(np.asarray(array) if count is None else np.asarray(array)[:count], -1)
-            for array, count in parts
-        ]
-        return np.concatenate(values).astype(np.float32) if values else np.zeros(0, np.float32)
-
-    def _stack_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        if len(pending) >= STACK_FROM:  # padded with the last: one compiled stack
-            padding = [pending[-1]] * (CHUNK - len(pending))
-            self._parts.append((_stacked(*pending, *padding), len(pending)))
-        else:
-            self._parts.extend((loss, None) for loss in pending)
+from flax_loop.programs.state import TrainState
+from flax_loop.run.arrival import (
+    Arrival,
+    LossHistory,
+    injected_hyperparameters,
+    interval_result,
+    losses,
+)
 
 
 class Intervals:
@@ -109,6 +45,7 @@ class Intervals:
         rnkey: the run's key, stored with each checkpoint.
         raise_nonfinite: whether a non-finite loss or gradient raises.
         step: the step the first interval starts after.
+        throughput: the run's rates, added to each checkpoint.
         frozen: which parameters no optimizer trains (`Checkpoint.frozen`).
         mirrors_params: the carried fields that mirror the parameters
             (`Checkpoint.mirrors_params`).
@@ -124,11 +61,13 @@ class Intervals:
         rnkey: jax.Array,
         raise_nonfinite: bool,
         step: int,
+        throughput: "Throughput",
         frozen: Any = None,
         mirrors_params: tuple[str, ...] = (),
         optimizer_names: tuple[str, ...] | None = None,
     ) -> None:
         self._steps, self._placement, self._feed = steps, placement, feed
+        self.throughput = throughput
         self._frozen = frozen  # `Checkpoint.frozen`
         self._mirrors = mirrors_params  # `Checkpoint.mirrors_params`
         self._optimizer_names = optimizer_names  # `Checkpoint.optimizer_names`
@@ -142,6 +81,8 @@ class Intervals:
         self.losses = LossHistory()
         r"""the interval's losses as the steps returned them (the loop notes them)."""
         self._last: Checkpoint | None = None
+        self.arrived = 0.0
+        r"""when the last interval's statistics reached the host (`time.perf_counter()`)."""
         self._copy: Callable[[TrainState], dict[str, Any]] | None = None
 
     def close(
@@ -152,71 +93,109 @@ class Intervals:
         ending: tuple[Any, ...] | None,
         started: float,
         preempted: bool = False,
+        later: bool = False,
     ) -> tuple[TrainState, Checkpoint]:
         r"""The interval's checkpoint at `step`, and the state to go on with.
 
         `started` is the `time.perf_counter()` at which the interval's first
-        dispatch began: its `elapsed_time` runs from there to the moment its
-        statistics arrive, so it counts the devices' work on the interval's
-        last steps too (dispatch runs ahead of them).
+        dispatch began: its `elapsed_time` runs from there (or from when
+        the previous interval's statistics arrived, if later: the devices
+        were busy until then) to the moment its statistics arrive, so it
+        counts the devices' work on the interval's last steps too (dispatch
+        runs ahead of them).
 
         `ending` is what the step that ended the interval returned, `(state,
         loss, grads, statistics)` (`statistics` `None` when it did not close
         the interval: a stream's shorter last batch), or `None` when no step
         ended it (the stream ended, or a stop came, between dispatches).
 
+        With `later`, the checkpoint is returned before its statistics
+        arrive (`settle`); else they are read here.
+
         Raises:
             NonFiniteError: if a loss or gradient of the interval was not
-                finite and the loop was told to raise.
+                finite and the loop was told to raise (when they are read).
         """
         n_completed = step - self.start
         if self._copy is None:  # compiled in the background meanwhile
             self._copy = self._steps.copier()
         arrays = self._copy(state)
-        params, optimizer_state = arrays["model_params"], arrays["optimizer_state"]
-        history = self.losses.read()
+        parts = self.losses.take()
         statistics = None
         if ending is not None:
             self._grads, statistics = ending[2], ending[3]
         elif self._grads is None:  # no step returned gradients yet (an interrupt ended it)
-            self._grads = jax.tree.map(jnp.zeros_like, self._steps.grads_like(params))
-        if n_completed:
-            state, result = self._finish(state, loss, n_completed, statistics)
-            if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
-                raise result.error(self.start, step)
-            grads, loss_value = self._grads, result.loss
-            n_nonfinite, mean_loss = result.n_nonfinite, result.mean_loss
-            train_metrics = {
-                "loss": mean_loss,
-                **result.metrics,
-                **hyperparameters(optimizer_state),
-            }
-        else:  # stopped before any step of this interval
-            previous = self._last
-            n_nonfinite, mean_loss, train_metrics = 0, float("nan"), {}
-            grads = (
-                previous.grads
-                if previous
-                else jax.tree.map(jnp.zeros_like, self._steps.grads_like(params))
-            )
-            loss_value = previous.loss if previous else float("nan")
-        elapsed = time.perf_counter() - started  # after _finish's wait for the devices
-        self.start = step
-        self._last = Checkpoint.from_saved(
+            self._grads = self._zero_grads(arrays)
+        previous = self._last
+        if n_completed and statistics is None:  # closed here (see `_fill`)
+            state, statistics = self._steps.close_interval(state, self._grads)
+        checkpoint = Checkpoint.from_saved(
             self._saved(arrays, step),
-            grads=grads,
-            loss=loss_value,
+            grads=self._grads if n_completed else self._previous_grads(previous, arrays),
+            loss=float("nan"),
             n_completed_steps=n_completed,
-            elapsed_time=elapsed,
-            mean_loss=mean_loss,
-            n_nonfinite_steps=n_nonfinite,
-            train_metrics=train_metrics,
-            losses=history,
+            elapsed_time=0.0,
+            mean_loss=float("nan"),
             preempted=preempted,
             frozen=self._frozen,
             mirrors_params=self._mirrors,
         )
-        return state, self._last
+        if n_completed:
+            hyperparameters = injected_hyperparameters(arrays["optimizer_state"])
+            arrival = Arrival((loss, statistics, parts, hyperparameters), later)
+            arriving(checkpoint, self._fill(arrival, self.start, max(started, self.arrived)))
+        else:  # stopped before any step of this interval
+            checkpoint.elapsed_time = time.perf_counter() - started
+            if previous is not None:
+                checkpoint.loss = previous.loss
+        self.start = step
+        self._last = checkpoint
+        if not later:
+            settle(checkpoint)
+        return state, checkpoint
+
+    def settle(self) -> None:
+        r"""Fills in the last checkpoint's statistics if they are on their way,
+        waiting for the devices (before the next interval starts); raises
+        its interval's `NonFiniteError`."""
+        if self._last is not None:
+            settle(self._last)
+
+    def _fill(self, arrival: Arrival, start: int, begun: float) -> Callable[[Checkpoint], None]:
+        r"""Fills a checkpoint's statistics in from `arrival` (of the interval
+        after step `start`, its devices' work begun at `begun`)."""
+        raised: list[Exception] = []
+
+        def fill(checkpoint: Checkpoint) -> None:
+            if raised:
+                raise raised[0]
+            (loss, statistics, parts, hyperparameters), arrived = arrival.result()
+            self.arrived = max(self.arrived, arrived)
+            n_steps, step = checkpoint.n_completed_steps, checkpoint.step
+            result = interval_result(loss, statistics, n_steps)
+            checkpoint.loss, checkpoint.mean_loss = result.loss, result.mean_loss
+            checkpoint.n_nonfinite_steps = result.n_nonfinite
+            checkpoint.losses = losses(parts)
+            checkpoint.train_metrics = {
+                "loss": result.mean_loss,
+                **result.metrics,
+                **{name: float(value) for name, value in hyperparameters.items()},
+            }
+            checkpoint.elapsed_time = arrived - begun
+            self.throughput.read_flops(self._steps.programs)
+            checkpoint.throughput = self.throughput.measure(n_steps, arrived - begun)
+            if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
+                raised.append(result.error(start, step))
+                raise raised[0]
+
+        return fill
+
+    def _zero_grads(self, arrays: dict[str, Any]) -> Any:
+        return jax.tree.map(jnp.zeros_like, self._steps.grads_like(arrays["model_params"]))
+
+    def _previous_grads(self, previous: Checkpoint | None, arrays: dict[str, Any]) -> Any:
+        r"""A checkpoint of no steps' gradients: the previous one's, or zeros."""
+        return previous.grads if previous is not None else self._zero_grads(arrays)
 
     def _saved(self, arrays: dict[str, Any], step: int) -> SavedState:
         r"""The saved record at `step` of the state's copied `arrays`."""
@@ -230,55 +209,6 @@ class Intervals:
             caller_state=self.caller_state,
             optimizer_names=self._optimizer_names,
         ).with_arrays(arrays)
-
-    def _finish(
-        self,
-        state: TrainState,
-        loss: jax.Array,
-        n_steps: int,
-        statistics: IntervalStatistics | None,
-    ) -> tuple[TrainState, IntervalResult]:
-        r"""The interval's statistics on the host (the host's one wait for the
-        devices in an interval), and the state with its interval sums reset.
-
-        `statistics` are those the interval's closing step returned; without
-        them (an interval ended by a stop request, the stream's end or a
-        shorter last batch) the interval is closed here."""
-        if statistics is None:
-            state, statistics = self._steps.close_interval(state, self._grads)
-        loss, (counters, loss_sum, metric_sums, finite) = to_host((loss, statistics))
-        _, n_nonfinite, first_nonfinite = (int(count) for count in counters)
-        n_finite = n_steps - n_nonfinite
-
-        def mean(total: Any) -> float:
-            return float(total) / n_finite if n_finite else float("nan")
-
-        metrics = {name: mean(total) for name, total in metric_sums.items()}
-        return state, IntervalResult(
-            float(np.reshape(loss, -1)[-1]),
-            mean(loss_sum),
-            n_nonfinite,
-            first_nonfinite,
-            bool(finite),
-            metrics,
-        )
-
-
-def hyperparameters(optimizer_state: Any) -> dict[str, float]:
-    r"""The scalar hyperparameters of an `optax.inject_hyperparams` optimizer,
-    as its last step used them (e.g. a schedule's `learning_rate`)."""
-    found: dict[str, Any] = {}
-    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    injected = [
-        leaf
-        for leaf in jax.tree.leaves(optimizer_state, is_leaf=lambda node: isinstance(node, kinds))
-        if isinstance(leaf, kinds)
-    ]
-    for injected_state in injected:
-        for name, value in injected_state.hyperparams.items():
-            if np.ndim(value) == 0 and name not in found:
-                found[name] = value
-    return {name: float(value) for name, value in to_host(found).items()}
 
 
 class Throughput:
@@ -369,7 +299,13 @@ class TimeBreakdown:
         self._totals.update({"data": 0.0, "device": 0.0, "caller": 0.0, "wall": setup})
 
     def close(
-        self, started: float, ended: float, data: float, device: float, compiled: float
+        self,
+        started: float,
+        ended: float,
+        data: float,
+        device: float,
+        compiled: float,
+        busy_until: float = 0.0,
     ) -> dict[str, float]:
         r"""Adds an interval and returns its seconds by part.
 
@@ -381,12 +317,16 @@ class TimeBreakdown:
             device: seconds it dispatched steps and waited for the devices,
                 `compiled` included.
             compiled: seconds it compiled, or waited for a compilation.
+            busy_until: when the devices finished the previous interval, if
+                after its checkpoint was handed out: the caller's code ran
+                beside them until then, and that time counts as the devices'.
         """
+        overlapped = max(min(busy_until, started) - self._handed_out, 0.0)
         interval = {
             "compile": compiled,
             "data": data,
-            "device": max(device - compiled, 0.0),
-            "caller": started - self._handed_out,
+            "device": max(device - compiled, 0.0) + overlapped,
+            "caller": started - self._handed_out - overlapped,
             "wall": ended - self._handed_out,
         }
         self._handed_out = ended

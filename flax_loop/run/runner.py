@@ -5,7 +5,7 @@ caller's target); the runner trains up to there and returns the interval's
 `Checkpoint`. Each dispatch is what the `DispatchPlan` groups and the feed
 takes; the program that runs it is the one the plan names. What the step
 that ended the interval returned goes to `Intervals.close`, which builds the
-checkpoint; throughput and the time breakdown are added to it here.
+checkpoint; the time breakdown is added to it here.
 
 Set-up (`flax_loop.run.assemble`) builds the runner; nothing below calls back
 into the loop.
@@ -41,7 +41,7 @@ from flax_loop.run.preemption import (
 )
 from flax_loop.run.profiling import ProfileSteps
 from flax_loop.run.progress import ProgressReport
-from flax_loop.run.throughput import Throughput, TimeBreakdown, done_line
+from flax_loop.run.throughput import TimeBreakdown, done_line
 
 INTERRUPTED = (
     "interrupted at step {step:,}: the steps since the last checkpoint written are in "
@@ -65,7 +65,7 @@ class Runner:
         feed, plan: the batches; the dispatches of an interval.
         intervals: the interval closer.
         placement, guard: the devices; the signals that ask for a stop.
-        throughput, times: the rates added to each checkpoint; where the time went.
+        times: where the time went.
         stdout: whether to print notes.
         report, profile: the progress bar, if shown; the window of steps traced, if any.
         n_steps: the total number of steps the run trains to.
@@ -82,7 +82,6 @@ class Runner:
         intervals: Intervals,
         placement: Placement,
         guard: PreemptionGuard,
-        throughput: Throughput,
         times: TimeBreakdown,
         stdout: bool,
         report: ProgressReport | None,
@@ -98,7 +97,6 @@ class Runner:
         self.intervals = intervals
         self.placement = placement
         self.guard = guard
-        self.throughput = throughput
         self.times = times
         self.stdout = stdout
         self.report = report
@@ -145,9 +143,11 @@ class Runner:
                     f"step {stop:,} (n_steps is the total, counted from step 0).",
                     stdout=self.stdout,
                 )
+            # the body may run while the devices finish the interval (run/arrival.py)
+            later = self.report is None and not self.placement.multiprocess
             while self.step < (self.n_steps if target is None else target):
                 stop = self.n_steps if target is None else target
-                checkpoint = self.interval(self.boundary(stop), total=stop)
+                checkpoint = self.interval(self.boundary(stop), total=stop, later=later)
                 if checkpoint is None:
                     log(
                         f"The data stream ended at step {self.step:,} of {stop:,}: training "
@@ -160,6 +160,8 @@ class Runner:
                 # a stop asked for in the body (one process: several agree on
                 # one at the next checkpoint): that checkpoint was the last
                 asked = self.guard.requested and not self.placement.multiprocess
+                if asked or checkpoint.preempted:
+                    self.intervals.settle()  # its NonFiniteError before the closing line
                 if asked:
                     self._stopped(self.guard)
                 if checkpoint.preempted or asked:
@@ -169,6 +171,7 @@ class Runner:
                     )
                     log(message, self.stdout, lead="Stopped:", style="bold yellow")
                     return
+            self.intervals.settle()
             trained = self.step - self.first_step
             if target is None and self.step >= self.n_steps and trained:  # the closing line
                 _stop(self.report)
@@ -218,25 +221,30 @@ class Runner:
         boundary = (self.step // every + 1) * every
         return boundary if target is None else min(boundary, target)
 
-    def interval(self, boundary: int, total: int) -> Checkpoint | None:
+    def interval(self, boundary: int, total: int, later: bool = False) -> Checkpoint | None:
         r"""Runs steps up to `boundary` (of a run to `total`): its checkpoint,
         or `None` if the stream had no batch left. A stop request, even one
-        made before the interval started, ends it after the step in flight."""
+        made before the interval started, ends it after the step in flight.
+        With `later`, the checkpoint comes before its statistics arrive
+        (`Intervals.close`)."""
         guard = self.guard
         # A second Ctrl-C is raised between steps, never inside one (preemption.py).
         guard.defer = not self.placement.multiprocess
         try:
-            return self._train(boundary, total)
+            return self._train(boundary, total, later)
         finally:
             guard.defer = False
 
-    def _train(self, boundary: int, total: int) -> Checkpoint | None:
+    def _train(self, boundary: int, total: int, later: bool) -> Checkpoint | None:
         report = self.report
         if report is not None and not report.active:
             report.start(self.step, total)
-        started = mark = time.perf_counter()
+        started = time.perf_counter()
+        self.intervals.settle()  # the last interval's numbers (its NonFiniteError): device time
+        busy_until = self.intervals.arrived
+        mark = time.perf_counter()
         compiled_before = self.steps.compile_seconds
-        data = device = 0.0  # seconds waiting for batches, dispatching (throughput.py)
+        data, device = 0.0, mark - started  # seconds waiting for batches, dispatching
         # The per-step path reads locals only: each attribute lookup or call
         # here is a measurable part of a small model's step.
         programs, take, group = self.steps.programs, self.feed.take, self.plan.group
@@ -294,10 +302,12 @@ class Runner:
         )
         if step == intervals.start and not preempted:
             return None
-        self.state, checkpoint = intervals.close(self.state, step, loss, ending, started, preempted)
+        self.state, checkpoint = intervals.close(
+            self.state, step, loss, ending, started, preempted, later
+        )
         self.newest = checkpoint
         # the checkpoint's copy and statistics: waiting for the devices
-        _account(self, checkpoint, (started, mark), data, device, compiled_before)
+        _account(self, checkpoint, (started, mark, busy_until), data, device, compiled_before)
         if preempted:
             self._stopped(guard)
             _keep_a_ctrl_c(guard)
@@ -368,19 +378,16 @@ def _show(report: ProgressReport, step: int, checkpoint: Checkpoint) -> None:
 def _account(
     runner: Runner,
     checkpoint: Checkpoint,
-    clocks: tuple[float, float],
+    clocks: tuple[float, float, float],
     data: float,
     device: float,
     compiled_before: float,
 ) -> None:
-    r"""The checkpoint's rates and where its interval's time went (`clocks`:
-    the interval's start, and the end of its last dispatch: the close since
-    counts as device time)."""
-    started, mark = clocks
-    runner.throughput.read_flops(runner.steps.programs)
-    checkpoint.throughput = runner.throughput.measure(
-        checkpoint.n_completed_steps, checkpoint.elapsed_time
-    )
+    r"""Where the checkpoint's interval's time went (`clocks`: the interval's
+    start, the end of its last dispatch (the close since counts as device
+    time), and when the devices finished the previous interval); its rates
+    come with its statistics (`Intervals.close`)."""
+    started, mark, busy_until = clocks
     ended = time.perf_counter()
     checkpoint.time_breakdown = runner.times.close(
         started,
@@ -388,4 +395,5 @@ def _account(
         data,
         device + ended - mark,
         runner.steps.compile_seconds - compiled_before,  # inside dispatches or the close
+        busy_until,
     )

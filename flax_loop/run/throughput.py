@@ -24,7 +24,9 @@ time at the edges between them (two clock reads a dispatch, no wait for
 the devices added): from the checkpoint it hands out to the next one,
 
 - `caller`: the caller's loop body (evaluation, writing, logging), until
-  it asks for the next checkpoint;
+  it asks for the next checkpoint, less the time the devices still
+  finished the interval meanwhile (a checkpoint a `for` loop hands out
+  before they are done, `flax_loop.run.arrival`: that time is `device`);
 - `data`: waiting for the next batch (reading, checking, stacking and
   placing it, when no read-ahead thread has it ready);
 - `compile`: compiling a step, or waiting for one compiling in the

@@ -1,0 +1,123 @@
+"""The body runs while the devices finish the interval; its numbers arrive on their own.
+
+A `for` loop without a progress bar hands each checkpoint out as soon as its
+arrays are dispatched. Its statistics are filled in the first time one is
+read, from a transfer that waited for the devices on a thread of its own;
+a non-finite interval raises when they are read, when a writer is given it
+and before the next interval, never later.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask
+from flax_loop.checkpoint import train_statistics
+from flax_loop.errors import NonFiniteError
+from flax_loop.run.throughput import TimeBreakdown
+from tests.helpers import MLP, batches, cross_entropy, digits_loop, digits_split, file_names
+from tests.test_nonfinite import poisoned_loop
+
+STATISTICS = ("loss", "mean_loss", "n_nonfinite_steps", "elapsed_time")
+
+
+def slow_loss(logits, labels):
+    """The digits loss after a second or so of matrix products the loss ignores."""
+
+    def product(_, matrix):
+        return jnp.tanh(matrix @ matrix)
+
+    busy = jax.lax.fori_loop(0, 150, product, jnp.full((256, 256), 0.01))
+    return cross_entropy(logits, labels) + 0.0 * busy.sum()
+
+
+def slow_loop(n_steps, **options):
+    x, y, _, _ = digits_split()
+    model = MLP()
+    return TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), slow_loss, batches(x, y, 32)),
+        rnkey=jax.random.key(0),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=4,
+        devices=jax.devices()[:1],
+        stdout=False,
+        **options,
+    )
+
+
+def handed_out_done(loop):
+    """Per checkpoint: whether its interval's last step was done (its gradients
+    ready) when the body got it."""
+    done = []
+    for checkpoint in loop:
+        done.append(all(leaf.is_ready() for leaf in jax.tree.leaves(checkpoint.grads)))
+        assert np.isfinite(checkpoint.loss)  # waits for the steps
+    return done
+
+
+def test_the_body_gets_the_checkpoint_while_the_devices_still_run_its_steps():
+    # (the first interval may be done when handed out: its copy compiles meanwhile)
+    assert False in handed_out_done(slow_loop(12))
+    # a progress bar shows each checkpoint's loss: it is read before the body runs
+    assert all(handed_out_done(slow_loop(8, progress=True)))
+
+
+def test_numbers_that_arrive_later_are_those_read_at_once():
+    later = list(digits_loop(n_steps=12, n_steps_per_checkpoint=4))
+    at_once = list(digits_loop(n_steps=12, n_steps_per_checkpoint=4, progress=True))
+    for a, b in zip(later, at_once, strict=True):
+        assert [getattr(a, name) for name in STATISTICS[:3]] == [
+            getattr(b, name) for name in STATISTICS[:3]
+        ]
+        assert a.train_metrics == b.train_metrics
+        np.testing.assert_array_equal(a.losses, b.losses)
+        assert a.elapsed_time > 0 and set(a.throughput) == set(b.throughput)
+    assert train_statistics(later[-1])["loss"] == train_statistics(at_once[-1])["loss"]
+
+
+def test_a_non_finite_interval_handed_out_early_is_never_read_as_sound_nor_written(tmp_path):
+    loop = poisoned_loop("raise", n_devices=1)  # poisoned at step 6 of 20, every 5
+    writer = CheckpointFileWriter(output_dir=str(tmp_path))
+    seen = []
+    with pytest.raises(NonFiniteError, match="detected at step 10"):
+        for checkpoint in loop:
+            seen.append(checkpoint.step)
+            if checkpoint.step == 10:
+                for name in STATISTICS:  # each read raises, again and again
+                    with pytest.raises(NonFiniteError, match="detected at step 10"):
+                        getattr(checkpoint, name)
+            writer(checkpoint)
+    assert seen == [5, 10]
+    assert file_names(tmp_path) == ["regular.5.ckpt"]
+    assert loop.step == 10  # nothing trained past the bad interval
+
+
+def test_a_non_finite_interval_raises_before_the_next_one_even_unread():
+    loop = poisoned_loop("raise", n_devices=1)
+    seen = []
+    with pytest.raises(NonFiniteError, match="detected at step 10"):
+        for checkpoint in loop:
+            seen.append(checkpoint.step)
+    assert seen == [5, 10] and loop.step == 10
+
+
+def test_the_devices_busy_beside_the_body_count_as_device_time_not_the_callers():
+    times = TimeBreakdown(handed_out=10.0)
+    # the devices finished the previous interval at 11.5, the body asked again at 12
+    parts = times.close(
+        started=12.0, ended=15.0, data=0.5, device=2.5, compiled=0.0, busy_until=11.5
+    )
+    assert parts == {"compile": 0.0, "data": 0.5, "device": 4.0, "caller": 0.5, "wall": 5.0}
+    # done before the checkpoint was handed out: the body's time is all the caller's
+    parts = times.close(
+        started=16.0, ended=17.0, data=0.0, device=1.0, compiled=0.0, busy_until=14.0
+    )
+    assert parts["caller"] == 1.0 and parts["device"] == 1.0
+    loop = slow_loop(12)
+    for _ in loop:
+        pass  # a body that does nothing: the loop's time is the devices'
+    totals = loop.time_breakdown
+    assert totals["caller"] < 0.1 * totals["device"]
