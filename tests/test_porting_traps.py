@@ -211,6 +211,42 @@ def test_a_coordinator_port_in_use_is_named_before_jax_is_asked():
         taken.close()
 
 
+def test_with_the_coordinator_port_taken_both_processes_end_within_the_wait_naming_it():
+    import socket
+    import subprocess
+    import sys
+
+    taken = socket.socket()  # another program's listener on the coordinator's port
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    join = (
+        "import os, sys; os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+        "from flax_loop import initialize_processes\n"
+        f"initialize_processes(coordinator_address='127.0.0.1:{port}', num_processes=2, "
+        "process_id=int(sys.argv[1]), initialization_timeout=3)\n"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", join, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        said = [process.communicate(timeout=120)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+        taken.close()
+    assert all(process.returncode != 0 for process in processes)
+    assert f"port {port} ('127.0.0.1:{port}') is in use" in said[0]  # before JAX is asked
+    assert f"for the coordinator at 127.0.0.1:{port} (process 0) to answer process 1" in said[1]
+    assert "at the 3 s initialization_timeout" in said[1]
+
+
 def test_unclear_errors_of_the_ports_name_the_value_and_the_fix():
     import flax.linen as nn
 

@@ -1,6 +1,10 @@
 r"""Joining a job's processes: `initialize_processes`."""
 
+import contextlib
 import os
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -24,7 +28,10 @@ def initialize_processes(**options: Any) -> None:
     The processes wait `initialization_timeout` seconds for each other
     (`INITIALIZATION_TIMEOUT` by default, JAX's own is 300). Process 0 checks
     first that the coordinator's port is free: JAX's coordinator dies
-    without a word on a port in use, leaving the others to wait.
+    without a word on a port in use, leaving the others to wait. A process
+    still waiting a moment before the timeout says for what, naming the
+    coordinator's address, before JAX ends it (JAX aborts the process
+    then, saying only "Deadline Exceeded").
 
     Raises:
         ConfigError: under an MPI launcher without mpi4py, naming both
@@ -35,7 +42,8 @@ def initialize_processes(**options: Any) -> None:
     if options.get("process_id") == 0 and options.get("coordinator_address"):
         _check_port_free(str(options["coordinator_address"]))
     try:
-        jax.distributed.initialize(**options)
+        with _last_word_before_the_timeout(options):
+            jax.distributed.initialize(**options)
         return
     except ValueError as error:
         launched_by_mpi = any(name in os.environ for name in _MPI_VARIABLES)
@@ -81,3 +89,40 @@ def _check_port_free(address: str) -> None:
         ) from None
     finally:
         probe.close()
+
+
+@contextlib.contextmanager
+def _last_word_before_the_timeout(options: dict[str, Any]) -> Iterator[None]:
+    r"""While `jax.distributed.initialize(**options)` runs: shortly before its
+    `initialization_timeout`, one line on stderr naming what this process
+    waits for, since JAX then aborts it without naming the address."""
+    timeout = float(options["initialization_timeout"])
+    address = options.get("coordinator_address") or "the address the launcher gave"
+    process = options.get("process_id")
+    if process == 0:
+        waits_for = f"the other processes to join its coordinator at {address}"
+    else:
+        who = "this process" if process is None else f"process {process}"
+        waits_for = f"the coordinator at {address} (process 0) to answer {who}"
+    message = (
+        f"flax_loop: has waited {{:.0f}} s for {waits_for}. If process 0 failed, its "
+        "output says why (a coordinator port in use is named there); if the port is "
+        "another program's, give every process another coordinator_address. JAX ends "
+        f"this process at the {timeout:.0f} s initialization_timeout.\n"
+    )
+    done = threading.Event()
+    before = max(timeout - min(5.0, timeout / 10), 0.0)
+
+    def say() -> None:
+        if not done.is_set():
+            sys.stderr.write(message.format(before))
+            sys.stderr.flush()
+
+    warning = threading.Timer(before, say)
+    warning.daemon = True
+    warning.start()
+    try:
+        yield
+    finally:
+        done.set()
+        warning.cancel()
