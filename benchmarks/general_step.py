@@ -73,7 +73,8 @@ def generator_loss(model, images, *, rng, step):
 OPTIMIZERS = {"discriminator": optax.adam(2e-4, b1=0.5), "generator": optax.adam(2e-4, b1=0.5)}
 
 
-def hand_written(images, depth):
+def step_and_state(images):
+    """The tutorial's jitted step and its first state."""
     model = GAN()
     sample = (np.zeros((BATCH, LATENT), np.float32), images[0])
     params = model.init(jax.random.key(0), *sample)["params"]
@@ -105,6 +106,11 @@ def hand_written(images, depth):
         params = {**params, "generator": optax.apply_updates(params["generator"], updates)}
         return (params, d_state, g_state), d_value + g_value
 
+    return step, state
+
+
+def hand_written(images, depth):
+    step, state = step_and_state(images)
     keys = jax.random.split(jax.random.key(1), 64)
 
     def run(n_steps):

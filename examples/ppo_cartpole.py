@@ -199,8 +199,7 @@ def make_loop(n_steps, init, **options):
         rnkey=jax.random.key(0),
         input_sample=np.zeros((1, 4), np.float32),
         n_steps=n_steps,
-        # the carry is one value for every replica (averaged over devices):
-        # the environments of one policy run on one device
+        # the environments of one policy: a small step, fastest on one device
         devices=jax.devices()[:1],
         **options,
     )

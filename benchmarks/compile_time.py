@@ -1,0 +1,188 @@
+"""Compile time: a TrainLoop's programs against a hand-written `jax.jit` of the same step.
+
+    python benchmarks/compile_time.py [--rounds 3] [--only mlp|gan|ppo]
+
+One process, nothing cached: JAX's persistent cache is off and the loop's
+own programs are forgotten before each round (`flax_loop.programs.cache`).
+Each round alternates the two. The hand-written side traces, lowers and
+compiles its step (`jax.jit(step).lower(...).compile()`, what its first call
+does). The TrainLoop side is built over the same task (set-up compiles the
+program its first dispatch needs: "first") and then waits for every program
+its cadence uses (`loop.compiled.wait()`: the single step, the interval's
+last step, which also returns the gradients and closes the interval, the
+checkpoint's copy: "all"); the figures are `CompiledSteps.compile_seconds`,
+the seconds its compiling threads spent tracing, lowering and compiling.
+Set-up's own work besides compiling (reading the first batch, initializing
+and placing the state, the memory plan) is `time_breakdown["setup"]`.
+Ratios are TrainLoop / hand-written (medians over rounds; <= 1.2 is the
+target for the step). Workloads: the small MLP (64-32-10, Adam, batch 32),
+the GAN's two-optimizer step (benchmarks/general_step.py), PPO 4x4 as your
+own step (benchmarks/ppo.py).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from flax_loop import TrainLoop, TrainTask  # noqa: E402
+from flax_loop.programs import cache  # noqa: E402
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def mlp():
+    x = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+    y = np.arange(32) % 10
+    model, optimizer = MLP(), optax.adam(1e-3)
+
+    def hand():
+        params = model.init(jax.random.key(0), x)["params"]
+
+        def step(params, opt_state, x, y):
+            def loss(params):
+                return cross_entropy(model.apply({"params": params}, x), y)
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        state = (params, optimizer.init(params))
+        return jax.jit(step, donate_argnums=(0, 1)), (*state, x, y)
+
+    def loop():
+        task = TrainTask(model.apply, optimizer, cross_entropy, [(x, y)] * 4)
+        return TrainLoop(
+            init=model.init,
+            task=task,
+            rnkey=jax.random.key(0),
+            n_steps=100,
+            n_steps_per_checkpoint=10,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+    return hand, loop
+
+
+def gan():
+    import general_step as gs
+
+    rng = np.random.default_rng(0)
+    images = [rng.uniform(-1, 1, (gs.BATCH, 784)).astype(np.float32) for _ in range(2)]
+
+    def hand():
+        step, state = gs.step_and_state(images)
+        return step, (state, images[0], jax.random.key(1))
+
+    return hand, lambda: gs.train_loop(images)[0]
+
+
+def ppo_4x4():
+    import ppo as bench
+    import ppo_cartpole
+
+    def hand():
+        params = ppo_cartpole.ActorCritic().init(jax.random.key(0), np.zeros((1, 4), np.float32))[
+            "params"
+        ]
+        carry = jax.tree.map(jax.numpy.array, ppo_cartpole.first_carry(jax.random.key(1)))
+        def iteration(*args):  # a function of its own: JAX's caches know the module's
+            return bench.iteration(*args)
+
+        step = jax.jit(iteration, donate_argnums=(0, 1, 2))
+        return step, (params, ppo_cartpole.OPTIMIZER.init(params), carry, jax.random.key(2))
+
+    def loop():
+        return ppo_cartpole.make_loop(
+            10**6,
+            ppo_cartpole.ActorCritic().init,
+            n_steps_per_checkpoint=10**6,
+            stdout=False,
+        )
+
+    return hand, loop
+
+
+WORKLOADS = {"mlp": mlp, "gan": gan, "ppo": ppo_4x4}
+
+
+def hand_seconds(hand):
+    step, args = hand()
+    started = time.perf_counter()
+    step.lower(*args).compile()
+    return time.perf_counter() - started
+
+
+def loop_seconds(make_loop):
+    cache.clear()
+    loop = make_loop()
+    first = loop.compiled.compile_seconds
+    loop.compiled.wait()
+    return first, loop.compiled.compile_seconds, loop.time_breakdown["setup"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=sorted(WORKLOADS))
+    parser.add_argument("--json", default="benchmarks/results/compile_time.json")
+    arguments = parser.parse_args()
+    print(f"JAX {jax.__version__}, {os.cpu_count()} cores; medians of {arguments.rounds} rounds")
+    results = {}
+    for name, workload in WORKLOADS.items():
+        if arguments.only and name != arguments.only:
+            continue
+        hand, make_loop = workload()
+        hand_seconds(hand), loop_seconds(make_loop)  # imports and first traces warm
+        rounds = []
+        for _ in range(arguments.rounds):
+            base = hand_seconds(hand)
+            first, every, setup = loop_seconds(make_loop)
+            rounds.append((base, first, every, setup, first / base, every / base))
+        base, first, every, setup, first_ratio, every_ratio = (
+            statistics.median(column) for column in zip(*rounds)
+        )
+        results[name] = {
+            "hand_written": base,
+            "loop_first": first,
+            "loop_all": every,
+            "setup_besides_compiling": setup,
+            "first_ratio": first_ratio,
+            "all_ratio": every_ratio,
+        }
+        print(
+            f"{name}: hand-written {base:.3f} s; TrainLoop first program {first:.3f} s "
+            f"({first_ratio:.2f}x), all its programs {every:.3f} s ({every_ratio:.2f}x); "
+            f"set-up besides compiling {setup:.3f} s"
+        )
+    os.makedirs(os.path.dirname(arguments.json), exist_ok=True)
+    with open(arguments.json, "w") as stream:
+        json.dump(results, stream, indent=1)
+    print(f"wrote {arguments.json}")
+
+
+if __name__ == "__main__":
+    main()
