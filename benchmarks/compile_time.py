@@ -109,6 +109,7 @@ def ppo_4x4():
             "params"
         ]
         carry = jax.tree.map(jax.numpy.array, ppo_cartpole.first_carry(jax.random.key(1)))
+
         def iteration(*args):  # a function of its own: JAX's caches know the module's
             return bench.iteration(*args)
 
