@@ -224,7 +224,7 @@ def test_with_the_coordinator_port_taken_both_processes_end_within_the_wait_nami
         "import os, sys; os.environ['JAX_PLATFORMS'] = 'cpu'\n"
         "from flax_loop import initialize_processes\n"
         f"initialize_processes(coordinator_address='127.0.0.1:{port}', num_processes=2, "
-        "process_id=int(sys.argv[1]), initialization_timeout=3)\n"
+        "process_id=int(sys.argv[1]), initialization_timeout=1)\n"
     )
     processes = [
         subprocess.Popen(
@@ -244,7 +244,7 @@ def test_with_the_coordinator_port_taken_both_processes_end_within_the_wait_nami
     assert all(process.returncode != 0 for process in processes)
     assert f"port {port} ('127.0.0.1:{port}') is in use" in said[0]  # before JAX is asked
     assert f"for the coordinator at 127.0.0.1:{port} (process 0) to answer process 1" in said[1]
-    assert "at the 3 s initialization_timeout" in said[1]
+    assert "at the 1 s initialization_timeout" in said[1]
 
 
 def test_unclear_errors_of_the_ports_name_the_value_and_the_fix():
