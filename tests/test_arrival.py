@@ -1,19 +1,22 @@
 """The body runs while the devices finish the interval; its numbers arrive on their own.
 
-A `for` loop without a progress bar hands each checkpoint out as soon as its
+A `for` loop (one process; a live bar or none) hands each checkpoint out as soon as its
 arrays are dispatched. Its statistics are filled in the first time one is
 read, from a transfer that waited for the devices on a thread of its own;
 a non-finite interval raises when they are read, when a writer is given it
 and before the next interval, never later.
 """
 
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from rich.console import Console
 
-from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask
+from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask, set_console
 from flax_loop.checkpoint import train_statistics
 from flax_loop.errors import NonFiniteError
 from flax_loop.run.throughput import TimeBreakdown
@@ -61,8 +64,16 @@ def handed_out_done(loop):
 def test_the_body_gets_the_checkpoint_while_the_devices_still_run_its_steps():
     # (the first interval may be done when handed out: its copy compiles meanwhile)
     assert False in handed_out_done(slow_loop(12))
-    # a progress bar shows each checkpoint's loss: it is read before the body runs
+    # progress printed as lines shows each checkpoint's loss in its place:
+    # read before the body runs
     assert all(handed_out_done(slow_loop(8, progress=True)))
+
+
+def test_a_progress_bar_shows_the_numbers_when_they_arrive():
+    screen = io.StringIO()
+    set_console(Console(file=screen, force_terminal=True, width=120))  # a bar, live
+    assert False in handed_out_done(slow_loop(12, progress=True))
+    assert "loss" in screen.getvalue()
 
 
 def test_numbers_that_arrive_later_are_those_read_at_once():

@@ -224,7 +224,7 @@ class Checkpoint(Saved):
     `TrainLoop.set_hyperparams` change the state the next step takes.
 
     A `for` loop may hand a checkpoint out while the devices still compute
-    its interval's last steps (no progress bar, one process): its
+    its interval's last steps (in one process): its
     statistics (`STATISTICS`) are filled in the first time one is read,
     waiting for the devices then; a non-finite interval raises
     `NonFiniteError` at that read and when a writer is given it.
@@ -370,10 +370,13 @@ def settle(checkpoint: Checkpoint) -> None:
     waiting for the devices; raises the error of its interval if it has
     one. A writer settles a checkpoint before writing it."""
     attributes = _ATTRIBUTES.__get__(checkpoint)
-    fill = attributes.get(_SETTLE)
-    if fill is not None:
-        fill(checkpoint)
-        del attributes[_SETTLE]
+    fill = attributes.pop(_SETTLE, None)
+    if fill is not None:  # (taken out first: what `fill` reads of the checkpoint is in)
+        try:
+            fill(checkpoint)
+        except BaseException:
+            attributes[_SETTLE] = fill  # raised again at the next read
+            raise
 
 
 def record(checkpoint: Checkpoint) -> dict[str, Any]:

@@ -94,6 +94,7 @@ class Intervals:
         started: float,
         preempted: bool = False,
         later: bool = False,
+        shown: Callable[[Checkpoint], None] | None = None,
     ) -> tuple[TrainState, Checkpoint]:
         r"""The interval's checkpoint at `step`, and the state to go on with.
 
@@ -110,7 +111,8 @@ class Intervals:
         ended it (the stream ended, or a stop came, between dispatches).
 
         With `later`, the checkpoint is returned before its statistics
-        arrive (`settle`); else they are read here.
+        arrive (`settle`); else they are read here. `shown(checkpoint)` is
+        called once they are in (the progress bar's update).
 
         Raises:
             NonFiniteError: if a loss or gradient of the interval was not
@@ -143,11 +145,14 @@ class Intervals:
         if n_completed:
             hyperparameters = injected_hyperparameters(arrays["optimizer_state"])
             arrival = Arrival((loss, statistics, parts, hyperparameters), later)
-            arriving(checkpoint, self._fill(arrival, self.start, max(started, self.arrived)))
+            begun = max(started, self.arrived)
+            arriving(checkpoint, self._fill(arrival, self.start, begun, shown))
         else:  # stopped before any step of this interval
             checkpoint.elapsed_time = time.perf_counter() - started
             if previous is not None:
                 checkpoint.loss = previous.loss
+            if shown is not None:
+                shown(checkpoint)
         self.start = step
         self._last = checkpoint
         if not later:
@@ -161,9 +166,16 @@ class Intervals:
         if self._last is not None:
             settle(self._last)
 
-    def _fill(self, arrival: Arrival, start: int, begun: float) -> Callable[[Checkpoint], None]:
+    def _fill(
+        self,
+        arrival: Arrival,
+        start: int,
+        begun: float,
+        shown: Callable[[Checkpoint], None] | None,
+    ) -> Callable[[Checkpoint], None]:
         r"""Fills a checkpoint's statistics in from `arrival` (of the interval
-        after step `start`, its devices' work begun at `begun`)."""
+        after step `start`, its devices' work begun at `begun`), then shows
+        them (`shown`)."""
         raised: list[Exception] = []
 
         def fill(checkpoint: Checkpoint) -> None:
@@ -187,6 +199,8 @@ class Intervals:
             if self._raise_nonfinite and (result.n_nonfinite or not result.finite):
                 raised.append(result.error(start, step))
                 raise raised[0]
+            if shown is not None:
+                shown(checkpoint)
 
         return fill
 

@@ -14,6 +14,7 @@ into the loop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -144,7 +145,8 @@ class Runner:
                     stdout=self.stdout,
                 )
             # the body may run while the devices finish the interval (run/arrival.py)
-            later = self.report is None and not self.placement.multiprocess
+            report = self.report  # a bar shows the numbers once in, printed lines in order
+            later = (report is None or report.live) and not self.placement.multiprocess
             while self.step < (self.n_steps if target is None else target):
                 stop = self.n_steps if target is None else target
                 checkpoint = self.interval(self.boundary(stop), total=stop, later=later)
@@ -302,8 +304,9 @@ class Runner:
         )
         if step == intervals.start and not preempted:
             return None
+        shown = None if report is None else functools.partial(_show, report, step)
         self.state, checkpoint = intervals.close(
-            self.state, step, loss, ending, started, preempted, later
+            self.state, step, loss, ending, started, preempted, later, shown
         )
         self.newest = checkpoint
         # the checkpoint's copy and statistics: waiting for the devices
@@ -311,8 +314,6 @@ class Runner:
         if preempted:
             self._stopped(guard)
             _keep_a_ctrl_c(guard)
-        if report is not None:
-            _show(report, step, checkpoint)
         return checkpoint
 
 
