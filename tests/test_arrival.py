@@ -27,12 +27,12 @@ STATISTICS = ("loss", "mean_loss", "n_nonfinite_steps", "elapsed_time")
 
 
 def slow_loss(logits, labels):
-    """The digits loss after a second or so of matrix products the loss ignores."""
+    """The digits loss after 60 products of 256x256 matrices the loss ignores."""
 
     def product(_, matrix):
         return jnp.tanh(matrix @ matrix)
 
-    busy = jax.lax.fori_loop(0, 150, product, jnp.full((256, 256), 0.01))
+    busy = jax.lax.fori_loop(0, 60, product, jnp.full((256, 256), 0.01))
     return cross_entropy(logits, labels) + 0.0 * busy.sum()
 
 
@@ -127,8 +127,8 @@ def test_the_devices_busy_beside_the_body_count_as_device_time_not_the_callers()
         started=16.0, ended=17.0, data=0.0, device=1.0, compiled=0.0, busy_until=14.0
     )
     assert parts["caller"] == 1.0 and parts["device"] == 1.0
-    loop = slow_loop(12)
-    for _ in loop:
-        pass  # a body that does nothing: the loop's time is the devices'
-    totals = loop.time_breakdown
-    assert totals["caller"] < 0.1 * totals["device"]
+    # a body that does nothing: after the first interval (set-up's last words
+    # count as the caller's there), the loop's time is the devices'
+    breakdowns = [checkpoint.time_breakdown for checkpoint in slow_loop(12)]
+    for parts in breakdowns[1:]:
+        assert parts["caller"] < 0.1 * parts["device"], parts
