@@ -25,10 +25,13 @@ PROGRAM = textwrap.dedent(
         if name == "/jax/core/compile/backend_compile_duration" else None
     )
 
+    traced = []  # the model's calls: each is a trace (init, step, shapes)
+
     class MLP(nn.Module):
         width: int = 32
         @nn.compact
         def __call__(self, x):
+            traced.append(x.shape)
             return nn.Dense(10)(nn.relu(nn.Dense(self.width)(x)))
 
     def cross_entropy(logits, labels):
@@ -42,7 +45,7 @@ PROGRAM = textwrap.dedent(
     model, adam = MLP(), optax.adam(1e-2)
 
     def run(model=model, optimizer=adam, loss=cross_entropy, batch=32, devices=1):
-        before = len(compiles)
+        before, traced_before = len(compiles), len(traced)
         loop = TrainLoop(
             init=model.init,
             task=TrainTask(model.apply, optimizer, loss, [(x[:batch], y[:batch]) for x, y in data]),
@@ -52,12 +55,13 @@ PROGRAM = textwrap.dedent(
         *_, last = loop
         loop.compiled.wait()
         params = [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(last.model_params)]
+        run.traced = len(traced) - traced_before
         return len(compiles) - before, params
 
     first, params = run()
     again, params_again = run()
     report = {
-        "first": first, "again": again, "same": params_again == params,
+        "first": first, "again": again, "same": params_again == params, "traced_again": run.traced,
         "other_model": run(model=MLP(width=48))[0],
         "other_loss": run(loss=squared)[0],
         "other_optimizer": run(optimizer=optax.sgd(0.1))[0],
@@ -83,6 +87,7 @@ def test_a_rerun_compiles_nothing_and_a_changed_task_compiles_anew():
     report = json.loads(result.stdout.split("REPORT", 1)[1])
     assert report["first"] >= 3  # the init, the step's variants, the copy
     assert report["again"] == 0 and report["same"]
+    assert report["traced_again"] == 0  # nor traced: the init's shapes are known too
     for changed in ("other_model", "other_loss", "other_optimizer", "other_shape", "other_devices"):
         assert report[changed] >= 2, (changed, report)
     # a new module of the same class is another object: its programs compile anew

@@ -32,7 +32,8 @@ from flax_loop.checkpoint import (
 from flax_loop.errors import CheckpointMismatchError, ConfigError, FlaxLoopError, InitError
 from flax_loop.log import log
 from flax_loop.parallel import Placement
-from flax_loop.programs.cache import identity
+from flax_loop.programs import cache
+from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.sharding import linen_annotations
 from flax_loop.programs.state import TrainState
 from flax_loop.programs.variants import run_once
@@ -137,7 +138,17 @@ def initial_state(
         params, model_state = initialize_model(init, key, inputs, init_labels, mutable_collections)
         return params, model_state, _init_optimizer(optimizer, params)
 
-    core = _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels)
+    # a linen init by identity, with the labels and the optimizers of the
+    # program key; an NNX module's init returns its own values (constants of
+    # the program): compiled each time
+    key: Hashable | None = None
+    if program_key is not None and not isinstance(getattr(init, "__self__", None), NNXModel):
+        labels = tuple(init_labels)
+        key = ("init", identity(init), labels, identity(mutable_collections), program_key)
+    core = cache.compiled(  # a re-run traces nothing: the shapes are known
+        None if key is None else ("init shapes", key, signature((rnkey, *inputs))),
+        lambda: _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels),
+    )
     shapes = dict(zip(CORE, core))
     if step is not None:
         shapes = jax.eval_shape(step.init, shapes)
@@ -172,13 +183,6 @@ def initial_state(
             restored = dataclasses.replace(restored, step=int(restored.step))
             _check_optimizer_order(restored, optimizer)
             return _with_task_hyperparams(restored, optimizer, keep_hyperparams)
-    # a linen init by identity, with the labels and the optimizers of the
-    # program key; an NNX module's init returns its own values (constants of
-    # the program): compiled each time
-    key = None
-    if program_key is not None and not isinstance(getattr(init, "__self__", None), NNXModel):
-        labels = tuple(init_labels)
-        key = ("init", identity(init), labels, identity(mutable_collections), program_key)
     params, model_state, optimizer_state = _guarded(
         lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
     )
