@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from flax_loop._lazy import lazy
 
 if TYPE_CHECKING:
+    from flax_loop.checkpoint._arriving import arriving as arriving
+    from flax_loop.checkpoint._arriving import settle as settle
     from flax_loop.checkpoint._best import (
         HighestCheckpointFileReader,
         HighestCheckpointFileWriter,
@@ -22,8 +24,6 @@ if TYPE_CHECKING:
         Summary,
         expect,
     )
-    from flax_loop.checkpoint._checkpoint import arriving as arriving
-    from flax_loop.checkpoint._checkpoint import settle as settle
     from flax_loop.checkpoint._frozen import digest as digest
     from flax_loop.checkpoint._frozen import flatten as flatten
     from flax_loop.checkpoint._frozen import put_back as put_back
@@ -74,8 +74,8 @@ _HOMES = {
     # statistics arrive after its checkpoint); not part of the
     # documented API
     "put_back": "flax_loop.checkpoint._frozen",
-    "arriving": "flax_loop.checkpoint._checkpoint",
-    "settle": "flax_loop.checkpoint._checkpoint",
+    "arriving": "flax_loop.checkpoint._arriving",
+    "settle": "flax_loop.checkpoint._arriving",
     "digest": "flax_loop.checkpoint._frozen",
     "flatten": "flax_loop.checkpoint._frozen",
     "taken_from": "flax_loop.checkpoint._frozen",

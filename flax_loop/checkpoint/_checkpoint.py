@@ -34,6 +34,12 @@ from typing import Any, ClassVar, TypeVar
 
 import jax
 
+from flax_loop.checkpoint._arriving import (
+    STATISTICS,
+    Statistic,
+    own_attributes,
+    settle,
+)
 from flax_loop.checkpoint._names import FORMAT_VERSION, LeftOut
 from flax_loop.errors import CheckpointMismatchError, ConfigError
 
@@ -150,10 +156,6 @@ class Saved:
         all of them: one host transfer, one compiled program); the other
         fields are kept as they are."""
         return self.with_arrays(fn(self.arrays()))
-
-
-_ATTRIBUTES = Saved.__dict__["__dict__"]
-r"""The instances' own attribute dict (a `Checkpoint`'s `__dict__` settles first)."""
 
 
 @dataclass
@@ -315,68 +317,11 @@ class Checkpoint(Saved):
         r"""Its attributes, its statistics settled first (`settle`), so that
         `Summary(**vars(checkpoint), metrics=...)` copies its numbers."""
         settle(self)
-        attributes: dict[str, Any] = _ATTRIBUTES.__get__(self)
-        return attributes
-
-
-STATISTICS = (
-    "loss",
-    "mean_loss",
-    "n_nonfinite_steps",
-    "train_metrics",
-    "losses",
-    "elapsed_time",
-    "throughput",
-)
-r"""The fields of a checkpoint that its interval's numbers fill in: a loop may
-hand the checkpoint out while the devices still compute them, and they are
-filled in the first time one is asked for (`arriving`)."""
-
-_SETTLE = "_settle"  # a checkpoint's pending statistics: `arriving`'s `settle`
-
-
-class _Statistic:
-    r"""A field of `STATISTICS`: settled before it is read (`settle`)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, checkpoint: Any, owner: type | None = None) -> Any:
-        if checkpoint is None:
-            return self
-        settle(checkpoint)
-        return _ATTRIBUTES.__get__(checkpoint)[self.name]
-
-    def __set__(self, checkpoint: Any, value: Any) -> None:
-        _ATTRIBUTES.__get__(checkpoint)[self.name] = value
+        return own_attributes(self)
 
 
 for _name in STATISTICS:  # after the dataclass took the fields' defaults
-    setattr(Checkpoint, _name, _Statistic(_name))
-
-
-def arriving(checkpoint: Checkpoint, fill: Callable[[Checkpoint], None]) -> None:
-    r"""Marks `checkpoint`'s statistics as still on their way from the
-    devices: the first read of one of them (or `settle`) calls
-    `fill(checkpoint)`, which waits for them and sets the fields of
-    `STATISTICS`. A `fill` that raises (the interval went non-finite) raises
-    again at every read: a checkpoint the loop refuses is never read as if
-    it were sound."""
-    _ATTRIBUTES.__get__(checkpoint)[_SETTLE] = fill
-
-
-def settle(checkpoint: Checkpoint) -> None:
-    r"""Fills `checkpoint`'s statistics in if they are on their way (`arriving`),
-    waiting for the devices; raises the error of its interval if it has
-    one. A writer settles a checkpoint before writing it."""
-    attributes = _ATTRIBUTES.__get__(checkpoint)
-    fill = attributes.pop(_SETTLE, None)
-    if fill is not None:  # (taken out first: what `fill` reads of the checkpoint is in)
-        try:
-            fill(checkpoint)
-        except BaseException:
-            attributes[_SETTLE] = fill  # raised again at the next read
-            raise
+    setattr(Checkpoint, _name, Statistic(_name))
 
 
 def record(checkpoint: Checkpoint) -> dict[str, Any]:

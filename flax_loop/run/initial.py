@@ -138,27 +138,12 @@ def initial_state(
         params, model_state = initialize_model(init, key, inputs, init_labels, mutable_collections)
         return params, model_state, _init_optimizer(optimizer, params)
 
-    # a linen init by identity, with the labels and the optimizers of the
-    # program key; an NNX module's init returns its own values (constants of
-    # the program): compiled each time
-    key: Hashable | None = None
-    if program_key is not None and not isinstance(getattr(init, "__self__", None), NNXModel):
-        labels = tuple(init_labels)
-        key = ("init", identity(init), labels, identity(mutable_collections), program_key)
+    key = _init_key(init, init_labels, mutable_collections, program_key)
     core = cache.compiled(  # a re-run traces nothing: the shapes are known
         None if key is None else ("init shapes", key, signature((rnkey, *inputs))),
         lambda: _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels),
     )
-    shapes = dict(zip(CORE, core))
-    if step is not None:
-        shapes = jax.eval_shape(step.init, shapes)
-    shardings = None if layout is None else layout(shapes)
-    if shardings is not None:
-        shapes = jax.tree.map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            shapes,
-            shardings,
-        )
+    shapes, shardings = _laid_out(dict(zip(CORE, core)), step, layout)
     # In one process the state is created in its layout (never whole on one
     # device); several processes create it on their own and place it later.
     place = None
@@ -187,6 +172,36 @@ def initial_state(
         lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
+
+
+def _init_key(
+    init: InitFn,
+    labels: Sequence[str],
+    mutable_collections: CollectionFilter,
+    program_key: Hashable | None,
+) -> Hashable | None:
+    r"""What determines the initialization's program and shapes: a linen init
+    by identity, with the labels and the optimizers of the program key; `None`
+    for an NNX module, whose init returns its own values (constants of the
+    program): compiled each time."""
+    if program_key is None or isinstance(getattr(init, "__self__", None), NNXModel):
+        return None
+    return ("init", identity(init), tuple(labels), identity(mutable_collections), program_key)
+
+
+def _laid_out(shapes: Fields, step: Step | None, layout: Layout | None) -> tuple[Any, Any]:
+    r"""The shapes of the step's fields (its `init` of the core `shapes`),
+    each with its sharding, and those shardings (`None` without a layout)."""
+    if step is not None:
+        shapes = jax.eval_shape(step.init, shapes)
+    shardings = None if layout is None else layout(shapes)
+    if shardings is not None:
+        shapes = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            shapes,
+            shardings,
+        )
+    return shapes, shardings
 
 
 def _from_parameters(

@@ -159,19 +159,7 @@ class Runner:
                     )
                     return
                 yield checkpoint
-                # a stop asked for in the body (one process: several agree on
-                # one at the next checkpoint): that checkpoint was the last
-                asked = self.guard.requested and not self.placement.multiprocess
-                if asked or checkpoint.preempted:
-                    self.intervals.settle()  # its NonFiniteError before the closing line
-                if asked:
-                    self._stopped(self.guard)
-                if checkpoint.preempted or asked:
-                    _stop(self.report)  # the bar's last line before the closing one
-                    message = STOPPED.format(
-                        step=self.step, why=self.stopped_by, resume=resume_hint()
-                    )
-                    log(message, self.stdout, lead="Stopped:", style="bold yellow")
+                if _stops_after(self, checkpoint):
                     return
             self.intervals.settle()
             trained = self.step - self.first_step
@@ -184,7 +172,7 @@ class Runner:
                     style="bold",
                 )
 
-    def _stopped(self, guard: PreemptionGuard) -> None:
+    def stopped(self, guard: PreemptionGuard) -> None:
         r"""The run stops for the guard's request, and so does the process's training."""
         self.stopped_by = guard.name or "another process was asked to stop"
         note_process_stop(guard.signal, f"{self.stopped_by} at step {self.step:,}")
@@ -312,7 +300,7 @@ class Runner:
         # the checkpoint's copy and statistics: waiting for the devices
         _account(self, checkpoint, (started, mark, busy_until), data, device, compiled_before)
         if preempted:
-            self._stopped(guard)
+            self.stopped(guard)
             _keep_a_ctrl_c(guard)
         return checkpoint
 
@@ -353,6 +341,22 @@ def call_scope(runner: Runner, last_step: int) -> Iterator[None]:
         _stop(runner.report)
 
 
+def _stops_after(runner: Runner, checkpoint: Checkpoint) -> bool:
+    r"""Whether the run stops after the body of `checkpoint`, saying so: a
+    stop asked for in the body (one process: several agree on one at the
+    next checkpoint), or one the checkpoint was made for."""
+    asked = runner.guard.requested and not runner.placement.multiprocess
+    if not (asked or checkpoint.preempted):
+        return False
+    runner.intervals.settle()  # its NonFiniteError before the closing line
+    if asked:
+        runner.stopped(runner.guard)
+    _stop(runner.report)  # the bar's last line before the closing one
+    message = STOPPED.format(step=runner.step, why=runner.stopped_by, resume=resume_hint())
+    log(message, runner.stdout, lead="Stopped:", style="bold yellow")
+    return True
+
+
 def _stop(report: ProgressReport | None) -> None:
     r"""The progress bar stops (its last line stays above what comes next)."""
     if report is not None:
@@ -390,11 +394,7 @@ def _account(
     come with its statistics (`Intervals.close`)."""
     started, mark, busy_until = clocks
     ended = time.perf_counter()
+    compiled = runner.steps.compile_seconds - compiled_before  # in dispatches or the close
     checkpoint.time_breakdown = runner.times.close(
-        started,
-        ended,
-        data,
-        device + ended - mark,
-        runner.steps.compile_seconds - compiled_before,  # inside dispatches or the close
-        busy_until,
+        started, ended, data, device + ended - mark, compiled, busy_until
     )
