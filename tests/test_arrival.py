@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask, set_console
-from flax_loop.checkpoint import train_statistics
+from flax_loop.checkpoint import as_summary, train_statistics
 from flax_loop.errors import NonFiniteError
 from flax_loop.run.throughput import TimeBreakdown
 from tests.helpers import MLP, batches, cross_entropy, digits_loop, digits_split, file_names
@@ -100,6 +100,8 @@ def test_a_non_finite_interval_handed_out_early_is_never_read_as_sound_nor_writt
                 for name in STATISTICS:  # each read raises, again and again
                     with pytest.raises(NonFiniteError, match="detected at step 10"):
                         getattr(checkpoint, name)
+                with pytest.raises(NonFiniteError):  # an evaluation's summary of it too
+                    as_summary(checkpoint)
             writer(checkpoint)
     assert seen == [5, 10]
     assert file_names(tmp_path) == ["regular.5.ckpt"]

@@ -360,9 +360,7 @@ class Summary(Checkpoint):
 
 
 def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
-    r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed
-    it; then settles its statistics (`settle`: a `NonFiniteError` for a
-    checkpoint of an interval that went non-finite).
+    r"""Raises a `ConfigError` unless `value` is a `kind`, naming who needed it.
 
     >>> import jax
     >>> import optax
@@ -388,4 +386,3 @@ def expect(value: Any, kind: type[Checkpoint], who: str) -> None:
             else "a Checkpoint or a Summary"
         )
         raise ConfigError(f"{who} needs {wanted}; got {type(value).__name__}.")
-    settle(value)  # a checkpoint whose interval went non-finite is never written

@@ -38,6 +38,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from flax_loop.checkpoint._arriving import settle
 from flax_loop.checkpoint._best import KeepsBest, check_best_arguments
 from flax_loop.checkpoint._checkpoint import Checkpoint, Summary, expect
 from flax_loop.checkpoint._names import one_directory
@@ -137,6 +138,7 @@ class OrbaxCheckpointWriter:
             CheckpointError: if a later step is in the way, or Orbax fails.
         """
         expect(checkpoint, Checkpoint, type(self).__name__)
+        settle(checkpoint)  # an interval that went non-finite: never written
         ocp = orbax_module()
         manager = self._open()
         step = int(checkpoint.step)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flax_loop.checkpoint import format
+from flax_loop.checkpoint._arriving import settle
 from flax_loop.checkpoint._checkpoint import Checkpoint, CheckpointFile, Summary, expect
 from flax_loop.checkpoint._frozen import leave_out
 from flax_loop.checkpoint._names import REGULAR_PREFIX, one_directory
@@ -127,6 +128,7 @@ class CheckpointFileWriter:
                 already in the directory are left intact.
         """
         expect(checkpoint, Checkpoint, type(self).__name__)
+        settle(checkpoint)  # an interval that went non-finite: never written
         file = to_file(checkpoint, self.save_frozen)
         # State split over several processes comes to process 0's host: every
         # process takes part in gathering it.
