@@ -25,25 +25,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
-from harness import make_batches, timed_loop  # noqa: E402
+from harness import MLP, cross_entropy, make_batches, timed_loop  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
 from flax_loop.run.throughput import TimeBreakdown  # noqa: E402
 
 EVERY = 100
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
-
-
-def cross_entropy(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def per_dispatch_seconds(number=1_000_000):

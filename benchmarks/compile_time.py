@@ -23,7 +23,6 @@ jitted init, optimizer init and placement, both warm.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,29 +35,20 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from harness import MLP, cross_entropy, write_results  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
 from flax_loop.programs import cache  # noqa: E402
 
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
-
-
-def cross_entropy(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+X = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+Y = np.arange(32) % 10
 
 
 def mlp():
-    x = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
-    y = np.arange(32) % 10
-    model, optimizer = MLP(), optax.adam(1e-3)
+    x, y, model, optimizer = X, Y, MLP(), optax.adam(1e-3)
 
     def hand():
         params = model.init(jax.random.key(0), x)["params"]
@@ -86,6 +76,7 @@ def mlp():
             stdout=False,
         )
 
+    hand.model, hand.optimizer = model, optimizer  # (set-up against them: `rerun_setup`)
     return hand, loop
 
 
@@ -151,13 +142,11 @@ def rerun_setup(rounds):
     """Set-up when nothing compiles: a second TrainLoop of the small MLP's
     objects (its programs in the process's cache) against the hand-written
     loop's jitted init, optimizer init and placement, warm."""
-    model, optimizer = MLP(), optax.adam(1e-3)
-    x = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
-    init, optimizer_init = jax.jit(model.init), jax.jit(optimizer.init)
-    _, make_loop = mlp()
+    compiled, make_loop = mlp()
+    init, optimizer_init = jax.jit(compiled.model.init), jax.jit(compiled.optimizer.init)
 
     def hand():
-        params = init(jax.random.key(0), x)["params"]
+        params = init(jax.random.key(0), X)["params"]
         jax.block_until_ready(jax.device_put((params, optimizer_init(params)), jax.devices()[0]))
 
     hand(), make_loop().compiled.wait()  # compiled, in the caches
@@ -212,10 +201,7 @@ def main():
             f"mlp, nothing to compile: hand-written init and placement {base * 1e3:.1f} ms, "
             f"TrainLoop's set-up {ours * 1e3:.1f} ms ({ours / base:.1f}x)"
         )
-    os.makedirs(os.path.dirname(arguments.json), exist_ok=True)
-    with open(arguments.json, "w") as stream:
-        json.dump(results, stream, indent=1)
-    print(f"wrote {arguments.json}")
+    write_results(arguments.json, results)
 
 
 if __name__ == "__main__":

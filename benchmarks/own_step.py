@@ -12,7 +12,6 @@ steps/s (own / built-in; >= 0.97 is the target). Two models: the small MLP
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
-from harness import make_batches, timed_loop  # noqa: E402
+from harness import make_batches, timed_loop, write_results  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
 
@@ -88,10 +87,7 @@ def main():
         base, ours, ratio = (statistics.median(column) for column in zip(*rates))
         results[name] = {"built_in": base, "own": ours, "ratio": ratio}
         print(f"{name:20s} built-in {base:10,.1f} steps/s, own {ours:10,.1f}, ratio {ratio:.2f}")
-    os.makedirs(os.path.dirname(arguments.json), exist_ok=True)
-    with open(arguments.json, "w") as stream:
-        json.dump(results, stream, indent=1)
-    print(f"wrote {arguments.json}")
+    write_results(arguments.json, results)
 
 
 if __name__ == "__main__":
