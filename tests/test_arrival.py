@@ -134,3 +134,22 @@ def test_the_devices_busy_beside_the_body_count_as_device_time_not_the_callers()
     breakdowns = [checkpoint.time_breakdown for checkpoint in slow_loop(12)]
     for parts in breakdowns[1:]:
         assert parts["caller"] < 0.1 * parts["device"], parts
+
+
+@pytest.mark.parametrize("path", ["for", "next_checkpoint"])
+def test_after_a_non_finite_interval_a_mended_state_trains_on(path):
+    loop = poisoned_loop("raise", n_devices=1)  # poisoned at step 6 of 20, every 5
+    seen = []
+    with pytest.raises(NonFiniteError, match="detected at step 10"):
+        if path == "for":
+            for checkpoint in loop:
+                seen.append(checkpoint)
+        else:
+            seen.append(loop.next_checkpoint())
+            loop.next_checkpoint()
+    good = seen[0]
+    assert good.step == 5
+    loop.update_state(lambda saved: saved.with_arrays(good.arrays()))
+    rest = list(loop)  # the error was raised once: the mended state trains on
+    assert [checkpoint.step for checkpoint in rest] == [15, 20]
+    assert all(np.isfinite(checkpoint.loss) for checkpoint in rest)

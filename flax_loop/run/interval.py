@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from flax_loop.checkpoint import Checkpoint, SavedState, arriving, settle
 from flax_loop.data.feed import BatchFeed
-from flax_loop.errors import ConfigError
+from flax_loop.errors import ConfigError, NonFiniteError
 from flax_loop.parallel import Placement
 from flax_loop.programs.compiled import CompiledSteps
 from flax_loop.programs.state import TrainState
@@ -154,17 +154,23 @@ class Intervals:
             if shown is not None:
                 shown(checkpoint)
         self.start = step
-        self._last = checkpoint
         if not later:
-            settle(checkpoint)
+            settle(checkpoint)  # its NonFiniteError, raised here once
+        self._last = checkpoint
         return state, checkpoint
 
     def settle(self) -> None:
         r"""Fills in the last checkpoint's statistics if they are on their way,
         waiting for the devices (before the next interval starts); raises
-        its interval's `NonFiniteError`."""
-        if self._last is not None:
-            settle(self._last)
+        its interval's `NonFiniteError`, once: a caller told of it may mend
+        the state (`TrainLoop.update_state`) and train on."""
+        last = self._last
+        if last is not None:
+            try:
+                settle(last)
+            except NonFiniteError:
+                self._last = None
+                raise
 
     def _fill(
         self,
