@@ -140,8 +140,8 @@ class TrainLoop:
             `("batch", "model")` mesh. A model's own collectives name it
             (`nn.BatchNorm(axis_name=...)`).
         fsdp_min_bytes: with "fsdp", leaves smaller than this stay replicated.
-        ema_decay: keep a moving average of the parameters (`ema = ema_decay
-            * ema + (1 - ema_decay) * params`, from the parameters, in their
+        ema_decay: keep a moving average of the parameters (`ema = ema +
+            (1 - ema_decay) * (params - ema)`, from the parameters, in their
             dtype: keep float32 with a decay near 1), as `Checkpoint.ema_params`,
             saved in checkpoints; `EvalLoop(..., use_ema=True)` evaluates it.
         profile: a `ProfileSteps` window of steps to trace with `jax.profiler`.

@@ -2,7 +2,11 @@ r"""The moving average of the parameters, as a transform of a step.
 
 `with_ema(decay)` declares the field `ema_params`, starts it at the
 parameters and, after each update of the wrapped step, moves it towards
-them: `ema = decay * ema + (1 - decay) * params`, in the average's dtype.
+them: `ema = ema + (1 - decay) * (params - ema)`, in the average's dtype.
+The one product and one sum leave a compiler a single way to fuse them
+(`decay * ema + (1 - decay) * params` has two products: a multiply-add may
+take either, differently in a scan of K steps than in a single step, and
+the average would then depend on `steps_per_dispatch`).
 
 >>> import jax.numpy as jnp
 >>> from flax_loop.step.core import Context, Outcome, Step
@@ -13,7 +17,7 @@ them: `ema = decay * ema + (1 - decay) * params`, in the average's dtype.
 >>> fields = step.init({"model_params": {"w": jnp.ones(2)}, "model_state": {},
 ...                     "optimizer_state": ()})
 >>> fields, _ = step.update(fields, None, Context(None, jnp.int32(0)))
->>> fields["ema_params"]["w"].tolist()  # 0.75 * 1 + 0.25 * 0.5
+>>> fields["ema_params"]["w"].tolist()  # 1 + 0.25 * (0.5 - 1)
 [0.875, 0.875]
 """
 
@@ -58,7 +62,7 @@ def with_ema(decay: float, frozen: Callable[[Any], Any] | None = None) -> Transf
                 lambda old, param, is_frozen: (
                     param.astype(old.dtype)
                     if is_frozen
-                    else old * decay + param.astype(old.dtype) * (1 - decay)
+                    else old + (param.astype(old.dtype) - old) * (1 - decay)  # see above
                 ),
                 carried[FIELD],
                 params,
