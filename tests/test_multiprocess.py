@@ -302,6 +302,36 @@ def test_a_killed_process_stops_the_other_within_seconds_naming_it(tmp_path):
     assert took < 30  # jax.distributed alone: ~100 s, then SIGABRT
 
 
+def test_a_process_killed_as_orbax_writes_stops_the_other_within_seconds(tmp_path):
+    import signal
+
+    # Killed a few milliseconds after process 0 handed out step 20 and began
+    # writing it: process 0 meets the death in the next step's collective
+    # (JAX's "connection closed by peer"), in the pending write's barrier, or
+    # in its body; it once reported the collective's error as its own and then
+    # waited for the write ~95 s until JAX aborted it.
+    processes = start_all(
+        2, "--n-steps", 2000, "--every", 10, "--orbax", "--dir", tmp_path, "--keep", 2
+    )
+    try:
+        for line in processes[0].stdout:
+            if line.startswith("STEP 20 "):
+                time.sleep(0.02)
+                processes[1].send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                break
+        output = processes[0].communicate(timeout=TIMEOUT)[0]
+        took = time.monotonic() - killed
+    finally:
+        stop_all(processes)
+    assert took < 30, output[-3000:]
+    if processes[0].returncode == -signal.SIGABRT:  # gloo's own abort, mid-collective
+        assert "gloo" in output, output[-3000:]
+    else:
+        assert processes[0].returncode == 70, output[-3000:]
+        assert "process 1 stopped answering" in output
+
+
 @slow(
     "by default an error on one process stops every process: a bad batch, a damaged file, "
     "a kill; this one waits out a silent peer's window (SILENT_SECONDS), and on a loaded "

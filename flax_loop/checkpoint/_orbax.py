@@ -280,6 +280,20 @@ def _finish_at_exit() -> None:
 
 
 def _finish_pending_writes() -> None:
+    from flax_loop.distributed import others_are_stopping
+
+    if others_are_stopping():
+        # This process failed and told the others, which stop: a write of
+        # several processes cannot finish (waiting, JAX would abort it ~100 s later).
+        for writer in list(_open_writers):
+            log(
+                f"pending writes to {writer.output_dir!r} are left unfinished: this "
+                "process failed, so the other processes stop (the steps already there "
+                "are intact).",
+                lead="Orbax:",
+                style="red",
+            )
+        return
     failed = False
     for writer in list(_open_writers):
         try:

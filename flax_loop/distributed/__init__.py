@@ -14,9 +14,16 @@ A process that dies without a word (SIGKILL, the out-of-memory killer)
 stops beating: the watchers beat in the store every 0.25 s, and a peer
 silent for `SILENT_SECONDS` ends the others, named, within a few seconds
 (`jax.distributed` alone would abort them after ~100 s, saying nothing).
-A process that ends normally says so first, and is not waited for. (One
-killed in the middle of a collective makes gloo abort its peers at once,
-with gloo's own message: nothing in Python runs then.)
+A process that ends normally, or is ended because another failed, says so
+first, and is not waited for. A process that failed keeps watching while it
+ends: if a peer goes silent then (an Orbax write or JAX's shutdown would
+wait for it ~100 s, then abort), it exits at once, naming the peer. An
+error of JAX's runtime (a collective cut off: "connection closed by peer")
+is often a peer's death seen first: the process waits `SILENT_SECONDS` for
+the watcher to name a silent peer, or for another process's error, before
+it reports its own. (One killed in the middle of a collective makes gloo
+abort its peers at once, with gloo's own message: nothing in Python runs
+then.)
 
 A process that fails exits with status 1 as Python's uncaught exception
 does, not killed by `jax.distributed`'s shutdown (which aborts a process
@@ -45,6 +52,7 @@ SILENT_SECONDS = 5.0
 r"""How long a peer may go without beating before it is taken for dead."""
 
 _failed = False  # this process raised an exception that ends it
+_reported = False  # this process reported an error: the others are stopping
 
 
 def is_multiprocess() -> bool:
@@ -88,10 +96,14 @@ def gather(value: int) -> list[int]:
 
 def report_error(error: BaseException) -> None:
     r"""Posts this process's error for the other processes' watchers."""
+    global _reported
     client = _client() if is_multiprocess() else None
     if client is None:
         return
+    if isinstance(error, jax.errors.JaxRuntimeError) and _watcher is not None:
+        _wait_for_a_cause(client)
     _follow_earlier_failure(client)
+    _reported = True
     text = f"{type(error).__name__}: {error}"
     # Said here first: once the others stop, jax.distributed may abort this
     # process (its coordinator is gone) before the traceback is printed.
@@ -103,6 +115,24 @@ def report_error(error: BaseException) -> None:
     except Exception:  # already set by another process: theirs is reported
         pass
     _note_uncaught()
+
+
+def others_are_stopping() -> bool:
+    r"""Whether this process reported an error to the others (they stop, so
+    nothing that needs all processes, such as a pending Orbax write, can
+    finish)."""
+    return _reported
+
+
+def _wait_for_a_cause(client: Any) -> None:
+    r"""Gives the watcher the time it takes to find a peer gone silent (it then
+    ends this process naming that peer), or another process's error (then
+    followed), before this process's runtime error is reported as the cause:
+    a collective cut off by a peer's death fails here at once."""
+    deadline = time.monotonic() + SILENT_SECONDS + 1
+    while time.monotonic() < deadline:
+        _follow_earlier_failure(client)
+        time.sleep(0.25)
 
 
 def _follow_earlier_failure(client: Any) -> None:
@@ -192,7 +222,7 @@ class FailureWatcher:
                 # This process failed: it goes on beating until it exits, so
                 # that process 0 waits for it instead of taking it for dead
                 # while its traceback is printed and its threads end.
-                self._beat_until_stopped(client, me, beat)
+                self._beat_until_stopped(client, me, beat, beats)
                 return
             if me == "0":
                 # This process holds the coordination service: leaving before the
@@ -200,13 +230,21 @@ class FailureWatcher:
                 self.wait_for_end(client, me, process, beats)
             _stop_this_process(f"process {process} failed, so process {me} stops too: {text}")
 
-    def _beat_until_stopped(self, client: Any, me: str, beat: int) -> None:
+    def _beat_until_stopped(
+        self, client: Any, me: str, beat: int, beats: dict[str, tuple[str, float]]
+    ) -> None:
         while not self._stop.wait(self._poll_ms / 1000):
             beat += 1
-            try:
-                client.key_value_set(_ALIVE + me, str(beat), allow_overwrite=True)
-            except Exception:  # the client is shutting down
-                return
+            silent = self._check_peers(client, me, str(beat), beats)
+            if silent is not None:
+                # What this process still waits for as it ends (a pending
+                # Orbax write, JAX's shutdown) waits for the silent peer too.
+                _stop_this_process(
+                    f"process {silent} stopped answering (no word from it for "
+                    f"{SILENT_SECONDS:g} s) while process {me} was ending after its error; "
+                    f"process {me} exits now rather than wait for it.",
+                    status=1,
+                )
 
     @staticmethod
     def _check_peers(
@@ -261,12 +299,19 @@ class FailureWatcher:
                 pass
 
 
-def _stop_this_process(why: str) -> None:
+def _stop_this_process(why: str, status: int = EXIT_CODE) -> None:
     sys.stderr.write(f"flax_loop: {why}\n")
+    sys.stdout.flush()
     sys.stderr.flush()
+    client = _client()
+    if client is not None:  # an end the others need not wait for, nor take for a death
+        try:
+            client.key_value_set(_DONE + str(jax.process_index()), "1", allow_overwrite=True)
+        except Exception:  # the client is shutting down
+            pass
     # This process may be blocked in a collective that will never complete;
     # only leaving the process ends it.
-    os._exit(EXIT_CODE)
+    os._exit(status)
 
 
 _watcher: FailureWatcher | None = None
@@ -350,5 +395,6 @@ __all__ = [
     "gather_objects",
     "initialize_processes",
     "is_multiprocess",
+    "others_are_stopping",
     "report_error",
 ]
