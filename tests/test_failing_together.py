@@ -81,6 +81,7 @@ def test_a_stopped_process_says_it_ends(monkeypatch):
 
 class PendingWriter:
     output_dir = "/checkpoints"
+    manager = "a manager with a write pending"
 
     def close(self):
         raise AssertionError("waited for a write the other processes cannot finish")

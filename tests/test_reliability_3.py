@@ -256,19 +256,70 @@ def test_a_fifo_or_a_dangling_link_named_like_a_checkpoint_is_reported_and_skipp
 # -- 5. an Orbax directory is locked as a file directory is --------------------
 
 
-def test_a_second_orbax_writer_of_one_directory_is_refused(tmp_path, monkeypatch):
+def test_an_orbax_writer_is_refused_when_made_while_another_run_writes(tmp_path, monkeypatch):
+    # Another run's writer holds the directory: a second run is refused when
+    # it makes its writer,
+    # before it trains; it once trained its first interval and the first run
+    # then failed its writes ("it holds step 80").
     pytest.importorskip("orbax.checkpoint")
     from flax_loop import OrbaxCheckpointWriter
 
     monkeypatch.setattr(lock, "WAIT_SECONDS", 0.2)
+    other_run = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from flax_loop import OrbaxCheckpointWriter
+            writer = OrbaxCheckpointWriter(output_dir={str(tmp_path)!r})
+            print("made", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other_run.stdout.readline() == "made\n"
+        with pytest.raises(CheckpointError, match=f"process id {other_run.pid}"):
+            OrbaxCheckpointWriter(output_dir=str(tmp_path))
+    finally:
+        other_run.communicate("", timeout=60)
+    with OrbaxCheckpointWriter(output_dir=str(tmp_path)) as writer:  # free again
+        writer(one_checkpoint())
+        with pytest.raises(CheckpointError, match="Another checkpoint writer"):
+            lock.DirectoryLock(str(tmp_path), "orbax.").acquire(wait_seconds=0)
+
+
+def test_an_orbax_writer_made_again_in_one_process_takes_the_earlier_ones_place(tmp_path):
+    # A notebook cell run again makes its writer anew while the earlier one,
+    # never closed, still holds the directory.
+    pytest.importorskip("orbax.checkpoint")
+    from flax_loop import OrbaxCheckpointReader, OrbaxCheckpointWriter
+    from tests.helpers import MLP
+
     checkpoint = one_checkpoint()
-    first = OrbaxCheckpointWriter(output_dir=str(tmp_path))
-    first(checkpoint)
-    with pytest.raises(CheckpointError, match=f"process id {os.getpid()}"):
-        OrbaxCheckpointWriter(output_dir=str(tmp_path))(checkpoint)
-    first.close()
-    with OrbaxCheckpointWriter(output_dir=str(tmp_path)) as second:  # free again
-        second(checkpoint)
+    earlier = OrbaxCheckpointWriter(output_dir=str(tmp_path), keep=2)
+    earlier(checkpoint)  # pending in the background
+    newer = OrbaxCheckpointWriter(output_dir=str(tmp_path), keep=2)
+    assert OrbaxCheckpointReader(dir=str(tmp_path), target=MLP().init).steps() == [1]  # finished
+    with pytest.raises(CheckpointError, match="write through the newer one"):
+        earlier(checkpoint)  # the two would prune each other's steps
+    newer(checkpoint)
+    newer.close()
+
+
+def test_a_process_of_several_takes_the_orbax_directory_once_it_knows_its_index(
+    tmp_path, monkeypatch
+):
+    # Before jax.distributed.initialize, asking the process index would start
+    # JAX's backend and make initialize fail: in a launcher's environment the
+    # writer waits for its first write.
+    pytest.importorskip("orbax.checkpoint")
+    from flax_loop import OrbaxCheckpointWriter
+
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    OrbaxCheckpointWriter(output_dir=str(tmp_path / "several"))
+    assert not (tmp_path / "several").exists()
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    with OrbaxCheckpointWriter(output_dir=str(tmp_path / "one")):
+        assert (tmp_path / "one" / ".lock.orbax.lock").exists()
 
 
 # -- 10. user text is printed as it is, never read as markup -------------------

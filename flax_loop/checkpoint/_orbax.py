@@ -55,6 +55,8 @@ from flax_loop.checkpoint._orbax_store import (
 from flax_loop.checkpoint._writer import EXIT_CODE_WRITE_FAILED, check_writer_options, to_file
 from flax_loop.checkpoint.format import WRITTEN
 from flax_loop.checkpoint.lock import DirectoryLock
+from flax_loop.distributed import others_are_stopping
+from flax_loop.distributed.launch import main_process_if_known
 from flax_loop.errors import CheckpointError, ConfigError
 from flax_loop.log import is_main_process, log
 
@@ -75,7 +77,13 @@ class OrbaxCheckpointWriter:
     exits with status 75, never 0. A crash mid-write leaves the earlier
     steps intact (Orbax renames a finished step into place). While open, the
     writer holds the directory's lock (process 0 takes it), so that two runs
-    cannot write one directory.
+    cannot write one directory: made while another run's writer holds it,
+    it waits a few seconds, then raises `CheckpointError` naming the holder,
+    before any training. (Made by a process of several before
+    `jax.distributed.initialize`, it takes the lock at its first write.) A
+    writer made again for the same directory in the same process (a notebook
+    cell run again) closes the earlier one, finishing its writes, and takes
+    its place: a write through the earlier one then raises `CheckpointError`.
     """
 
     output_dir: str = None  # type: ignore[assignment]
@@ -119,6 +127,9 @@ class OrbaxCheckpointWriter:
             )
         self._manager: Any = None
         self._lock: DirectoryLock | None = None
+        self._superseded = False
+        if main_process_if_known():
+            self._take_directory(supersede=True)
 
     @property
     def manager(self) -> Any:
@@ -168,13 +179,33 @@ class OrbaxCheckpointWriter:
             ) from None
         return checkpoint
 
+    def _take_directory(self, supersede: bool = False) -> None:
+        r"""Takes the directory's lock (process 0), before Orbax touches it;
+        with `supersede`, an earlier writer of this process to the same
+        directory is closed and writes no more."""
+        if self._lock is not None:
+            return
+        os.makedirs(self.output_dir, exist_ok=True)
+        here = os.path.realpath(self.output_dir)
+        for earlier in list(_open_writers) if supersede else []:
+            if earlier is not self and os.path.realpath(earlier.output_dir) == here:
+                earlier._superseded = True
+                earlier.close()  # finishes its pending writes
+        lock = DirectoryLock(self.output_dir, ORBAX_LOCK)
+        lock.acquire()
+        self._lock = lock
+        _open_writers.add(self)
+
     def _open(self) -> Any:
+        if self._superseded:
+            raise CheckpointError(
+                f"This {type(self).__name__} of {self.output_dir!r} was closed when a newer "
+                "writer of the same directory was made in this process (a cell run "
+                "again?): write through the newer one."
+            )
         if self._manager is None:
             if is_main_process():
-                os.makedirs(self.output_dir, exist_ok=True)
-                lock = DirectoryLock(self.output_dir, ORBAX_LOCK)
-                lock.acquire()  # before Orbax touches the directory
-                self._lock = lock
+                self._take_directory()
             try:
                 self._manager = orbax_call(
                     "open", self.output_dir, open_manager, self.output_dir, self.keep, False
@@ -280,12 +311,10 @@ def _finish_at_exit() -> None:
 
 
 def _finish_pending_writes() -> None:
-    from flax_loop.distributed import others_are_stopping
-
     if others_are_stopping():
         # This process failed and told the others, which stop: a write of
         # several processes cannot finish (waiting, JAX would abort it ~100 s later).
-        for writer in list(_open_writers):
+        for writer in [writer for writer in _open_writers if writer.manager is not None]:
             log(
                 f"pending writes to {writer.output_dir!r} are left unfinished: this "
                 "process failed, so the other processes stop (the steps already there "

@@ -67,6 +67,36 @@ def initialize_processes(**options: Any) -> None:
 INITIALIZATION_TIMEOUT = 120
 r"""Seconds `initialize_processes` waits for every process to join, by default."""
 
+_COUNTS_OF_PROCESSES = (
+    "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_SIZE",
+    "JAX_NUM_PROCESSES",
+)
+r"""Launchers' variables holding the number of processes they started."""
+
+
+def main_process_if_known() -> bool | None:
+    r"""Whether this process is process 0, where that is known without
+    starting JAX's backend (which would make a later
+    `jax.distributed.initialize` fail): after `jax.distributed.initialize`,
+    or without a launcher's environment of several processes (then it is
+    the only one); `None` in a launcher's environment before
+    `jax.distributed.initialize`."""
+    if jax.distributed.is_initialized():
+        return jax.process_index() == 0
+    for name in _COUNTS_OF_PROCESSES:
+        try:
+            if int(os.environ.get(name, "1")) > 1:
+                return None
+        except ValueError:
+            continue
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return None
+    return True
+
 
 def _check_port_free(address: str) -> None:
     r"""Raises a `ConfigError` naming `address` when its port is taken here."""
