@@ -13,7 +13,7 @@ from flax_loop.step.model import check_compute_loss
 from flax_loop.step.modules import is_nnx
 from flax_loop.step.objective import LossFn
 from flax_loop.step.own import check_update
-from flax_loop.step.several import check_models, is_several, trains_by_model
+from flax_loop.step.several import ModelKind, check_models, trains_by_model
 
 MetricFn = Callable[..., Any]
 
@@ -225,14 +225,16 @@ class EvalTask:
     """
 
 
-def check_train_task(task: Any) -> TrainTask:
-    r"""`task` if it describes training (duck-typed, as flax-extra's was).
+def check_train_task(task: Any) -> tuple[TrainTask, ModelKind]:
+    r"""`task` if it describes training (duck-typed, as flax-extra's was),
+    and what its model is, settled here once for the whole set-up.
 
     Raises:
         ConfigError: naming what is missing or of the wrong kind.
     """
     _check_form(task)
-    if is_several(task.apply):
+    kind = ModelKind.of(task.apply)
+    if kind.several:
         if getattr(task, "loss", None) is not None:
             raise ConfigError(
                 f"task.apply is a dict of models {list(task.apply)}: a loss(*outputs, "
@@ -244,7 +246,7 @@ def check_train_task(task: Any) -> TrainTask:
         check_models(task.apply, "task.apply")
     else:
         _check_model(task.apply, "task.apply")
-    _check_optimizers(task)
+    _check_optimizers(task, kind)
     transforms = getattr(task, "transforms", ())
     if not isinstance(transforms, Sequence) or not all(map(callable, transforms)):
         raise ConfigError(
@@ -262,7 +264,7 @@ def check_train_task(task: Any) -> TrainTask:
                 getattr(task, "frozen", None) is not None,
                 getattr(task, "carry", None) is not None,
             )
-    return task
+    return task, kind
 
 
 def _check_model(apply: Any, where: str) -> None:
@@ -326,7 +328,7 @@ def _check_form(task: Any) -> None:
         )
 
 
-def _check_optimizers(task: Any) -> None:
+def _check_optimizers(task: Any, kind: ModelKind) -> None:
     r"""The optimizer, or the dict of them with `compute_loss` and
     `trainable` dicts of the same names."""
     optimizers = task.optimizer if isinstance(task.optimizer, Mapping) else {None: task.optimizer}
@@ -360,7 +362,7 @@ def _check_optimizers(task: Any) -> None:
                 "give both the same names, in the order each step runs them."
             )
     if keyed and not isinstance(getattr(task, "trainable", None), Mapping):
-        if trains_by_model(task):  # each optimizer trains the model of its name
+        if trains_by_model(task, kind):  # each optimizer trains the model of its name
             return
         # each optimizer would otherwise train (and keep moments for) every parameter
         raise ConfigError(

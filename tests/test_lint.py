@@ -98,6 +98,23 @@ def test_imports_point_down_the_layers():
     assert not wrong, "\n".join(wrong)
 
 
+DOORS = {"task", "evaluation", "step/several", "step/modules", "step/frozen"}
+r"""Where a model (the task's, an evaluation's, `init`'s, a frozen one) is
+asked whether it is NNX or several; everywhere else reads `ModelKind`."""
+
+
+def test_the_models_kind_is_asked_at_the_doors_only():
+    import re
+
+    asking = re.compile(r"\b(is_nnx|is_several)\(")
+    askers = {
+        name.replace(".", "/")
+        for name, path in module_names()
+        if any(asking.search(line) and "def " not in line for line in open(path))
+    }
+    assert askers <= DOORS, sorted(askers - DOORS)
+
+
 def test_no_import_runs_in_a_cycle():
     graph = {}
     for name, path in module_names():

@@ -66,9 +66,9 @@ from flax_loop.run.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from flax_loop.run.progress import ProgressReport
 from flax_loop.run.runner import Runner
 from flax_loop.run.throughput import Throughput, TimeBreakdown, meter
-from flax_loop.step.modules import DEFAULT_STREAM, is_nnx
+from flax_loop.step.modules import DEFAULT_STREAM
 from flax_loop.step.objective import Objective, StepInputs, lora_hint
-from flax_loop.step.several import as_one, is_several
+from flax_loop.step.several import ModelKind
 from flax_loop.task import TrainTask, check_train_task
 
 
@@ -99,16 +99,16 @@ def assemble(
     compile_cache.use()  # before set-up compiles anything
     cache_hits = compile_cache.CacheHits()
     options = options or Options()
-    task = check_train_task(task)
+    task, kind = check_train_task(task)
     init_fn, reader = as_reader(init)
     guard, report = _guard_and_report(options, stdout)
     placement = Placement(devices, options.mesh, options.batch_axis)
     plan = DispatchPlan(every, options.steps_per_dispatch)
     say("reading the first batch")
     objective, tree, feed = _objective_and_feed(
-        task, options, placement, guard, collections, mutable_collections
+        task, kind, options, placement, guard, collections, mutable_collections
     )
-    inputs = _init_inputs(input_sample, feed.sample, tree, task.apply, task.data is not None)
+    inputs = _init_inputs(input_sample, feed.sample, tree, kind, task.data is not None)
     key = as_typed_key(rnkey)
     init_labels = labels_of(collections, "init")
     model = (init_fn, key, inputs, init_labels, mutable_collections)
@@ -180,6 +180,7 @@ def _guard_and_report(
 
 def _objective_and_feed(
     task: TrainTask,
+    kind: ModelKind,
     options: Options,
     placement: Placement,
     guard: PreemptionGuard,
@@ -189,10 +190,10 @@ def _objective_and_feed(
     r"""What the step optimizes, the structure of a `compute_loss` task's
     batches, and the feed (its first batch read: the run's shapes)."""
     apply_labels = labels_of(collections, "apply")
-    if is_nnx(as_one(task.apply)) and not apply_labels:
+    if kind.nnx and not apply_labels:
         apply_labels = [DEFAULT_STREAM]  # an NNX module's streams are reseeded
     tree = None if getattr(task, "loss", None) is not None else BatchTree()
-    objective = Objective.of(task, task.apply, apply_labels, mutable_collections, tree)
+    objective = Objective.of(task, kind, apply_labels, mutable_collections, tree)
     feed = BatchFeed(
         NoData(placement.n_local_shards) if task.data is None else task.data,
         placement,
@@ -316,7 +317,11 @@ def _say_hint(hint: str | None, stdout: bool) -> None:
 
 
 def _init_inputs(
-    input_sample: Any, sample: Batch, tree: BatchTree | None, apply: Any, reads_data: bool = True
+    input_sample: Any,
+    sample: Batch,
+    tree: BatchTree | None,
+    kind: ModelKind,
+    reads_data: bool = True,
 ) -> tuple[Any, ...]:
     r"""The inputs `init` is called with: `input_sample`, or the first batch's
     inputs (a batch of any structure has them if it is a pair `(inputs,
@@ -326,12 +331,12 @@ def _init_inputs(
     Raises:
         ConfigError: if a linen model's inputs cannot be found.
     """
-    nnx_model = is_nnx(as_one(apply))
-    if is_several(apply) and not nnx_model:
+    nnx_model = kind.nnx
+    if kind.several and not nnx_model:
         if not isinstance(input_sample, Mapping):
             raise ConfigError(
                 f"Several linen models are initialized each with its own inputs: pass "
-                f"TrainLoop(..., input_sample={{name: inputs}}) for {list(apply)}; got "
+                f"TrainLoop(..., input_sample={{name: inputs}}) for {list(kind.names or ())}; got "
                 f"input_sample={type(input_sample).__name__}."
             )
         return (

@@ -19,9 +19,10 @@ Frozen models (`TrainTask(frozen=...)`) are `step/frozen.FrozenModels`.
 ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 >>> batches = [(np.ones((8, 4), np.float32), np.arange(8) % 3)] * 4
 >>> task = TrainTask(model.apply, optax.sgd(0.1), cross_entropy, batches)
->>> objective = Objective.of(task, model.apply, rng_labels=[], mutable_collections=False)
->>> [part.name for part in objective.parts]
-[None]
+>>> kind = ModelKind.of(task.apply)  # the task's door settles it (check_train_task)
+>>> objective = Objective.of(task, kind, rng_labels=[], mutable_collections=False)
+>>> [part.name for part in objective.parts], objective.kind.nnx
+([None], False)
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from flax_loop.data.batch import BatchTree
 from flax_loop.errors import ConfigError
 from flax_loop.step.frozen import FrozenModels
 from flax_loop.step.model import LinenModel
-from flax_loop.step.modules import NNXModel, is_nnx, refuse_evaluation_defaults
-from flax_loop.step.several import LinenModels, as_one, default_trainable, is_several
+from flax_loop.step.modules import NNXModel, refuse_evaluation_defaults
+from flax_loop.step.several import LinenModels, ModelKind, default_trainable
 from flax_loop.step.supervised import supervised_loss
 from flax_loop.step.trainable import Partition, union
 
@@ -99,8 +100,11 @@ class Objective:
         frozen: Any = None,
         supervised: bool = False,
         batch_tree: BatchTree | None = None,
+        kind: ModelKind | None = None,
     ) -> None:
-        apply = as_one(apply)  # several NNX modules: one nnx.Dict
+        self.kind = ModelKind.of(apply) if kind is None else kind
+        r"""what the model is (NNX or linen, one or several)."""
+        apply = self.kind.as_one(apply)  # several NNX modules: one nnx.Dict
         self.parts = tuple(parts)
         self.keyed = self.parts[0].name is not None
         self.rng_labels = list(rng_labels)
@@ -109,7 +113,7 @@ class Objective:
         self.batch_tree = batch_tree
         r"""the structure of the stream's batches (not supervised), which the
         feed learns from the first batch."""
-        self._nnx = NNXModel(apply, train=True) if is_nnx(apply) else None
+        self._nnx = NNXModel(apply, train=True) if self.kind.nnx else None
         if self._nnx is not None and supervised:
             refuse_evaluation_defaults(apply)
         self._apply = apply
@@ -151,19 +155,19 @@ class Objective:
     def of(
         cls,
         task: Any,
-        apply: Any,
+        kind: ModelKind,
         rng_labels: Sequence[str],
         mutable_collections: CollectionFilter,
         batch_tree: BatchTree | None = None,
     ) -> Objective:
-        r"""The objective a (checked) `TrainTask` describes (`batch_tree` as
-        the constructor takes it)."""
+        r"""The objective a (checked) `TrainTask` describes, its model of
+        `kind` (`batch_tree` as the constructor takes it)."""
         compute_loss = getattr(task, "compute_loss", None)
         supervised = getattr(task, "loss", None) is not None
         # a task's own `update` has no loss of the objective's: its parts are
         # its optimizers and what each trains
         losses: Any = supervised_loss(task.loss) if supervised else compute_loss
-        optimizer, trainable = task.optimizer, default_trainable(task)
+        optimizer, trainable = task.optimizer, default_trainable(task, kind)
         frozen = getattr(task, "frozen", None)
         if isinstance(optimizer, Mapping):
             parts = [
@@ -178,7 +182,7 @@ class Objective:
         else:
             parts = [Part(None, losses, optimizer, trainable)]
         objective = cls(
-            parts, apply, rng_labels, mutable_collections, frozen, supervised, batch_tree
+            parts, task.apply, rng_labels, mutable_collections, frozen, supervised, batch_tree, kind
         )
         objective.losses = getattr(task, "loss", None) or compute_loss
         objective.carries = compute_loss is not None and getattr(task, "carry", None) is not None
@@ -267,7 +271,7 @@ class Objective:
         if self._nnx is not None:
             carries = self.mutable_collections not in (False, None)
             return self._nnx.bind({"params": params, **model_state}, rngs, carries)
-        if is_several(self._apply):
+        if self.kind.several:
             return LinenModels(self._apply, params, model_state, rngs, self.mutable_collections)
         return LinenModel(self._apply, params, model_state, rngs, self.mutable_collections)
 

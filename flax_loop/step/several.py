@@ -42,6 +42,40 @@ def is_several(value: Any) -> bool:
     return isinstance(value, Mapping) and not is_nnx(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelKind:
+    r"""What a task's model is, settled once where the task comes in
+    (`check_train_task`): NNX modules or linen apply functions, one model or
+    several by name. Set-up asks it, not the model again.
+
+    >>> import flax.linen as nn
+    >>> ModelKind.of({"generator": nn.Dense(4).apply, "critic": nn.Dense(1).apply})
+    ModelKind(nnx=False, names=('generator', 'critic'))
+    """
+
+    nnx: bool
+    r"""whether the model is an NNX module (or each of several is)."""
+
+    names: tuple[str, ...] | None = None
+    r"""several models' names, in order; `None` for one model."""
+
+    @property
+    def several(self) -> bool:
+        r"""whether the task trains several models (a dict by name)."""
+        return self.names is not None
+
+    @classmethod
+    def of(cls, apply: Any) -> ModelKind:
+        r"""The kind of `apply` (a model, or a dict of them)."""
+        if is_several(apply):
+            return cls(all(is_nnx(model) for model in apply.values()), tuple(apply))
+        return cls(is_nnx(apply))
+
+    def as_one(self, apply: Any) -> Any:
+        r"""The model as the step uses it (`as_one`), without asking again."""
+        return as_one(apply) if self.several and self.nnx else apply
+
+
 def check_models(models: Mapping[str, Any], where: str) -> None:
     r"""Checks a dict of models: names that are identifiers, values all NNX
     modules or all apply functions.
@@ -177,19 +211,18 @@ r"""`ByModel(name)`, one object a name; a re-run's programs are found again
 (`programs/cache` keys a filter by identity)."""
 
 
-def default_trainable(task: Any) -> Any:
+def default_trainable(task: Any, kind: ModelKind) -> Any:
     r"""`task.trainable`, or for several models and a dict of optimizers
     named as models, each optimizer's model (`ByModel`)."""
     trainable = getattr(task, "trainable", None)
-    if trainable is not None or not trains_by_model(task):
+    if trainable is not None or not trains_by_model(task, kind):
         return trainable
     return {name: by_model(name) for name in task.optimizer}
 
 
-def trains_by_model(task: Any) -> bool:
+def trains_by_model(task: Any, kind: ModelKind) -> bool:
     r"""Whether each optimizer of the task's dict is named as one of its models."""
-    apply: Any = getattr(task, "apply", None)
     optimizer = getattr(task, "optimizer", None)
-    if not (is_several(apply) and isinstance(optimizer, Mapping)):
+    if kind.names is None or not isinstance(optimizer, Mapping):
         return False
-    return all(name in apply for name in optimizer)
+    return all(name in kind.names for name in optimizer)
