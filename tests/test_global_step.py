@@ -12,7 +12,13 @@ import numpy as np
 import optax
 import pytest
 
-from flax_loop import DATA_AXIS, TrainLoop, TrainTask
+from flax_loop import (
+    DATA_AXIS,
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    TrainLoop,
+    TrainTask,
+)
 from flax_loop.random import init_key, into_collection
 from tests.helpers import slow
 
@@ -145,6 +151,51 @@ def test_a_carry_with_a_row_per_example_is_never_averaged():
     hidden = one[2]["hidden"]
     assert hidden.shape == (BATCH, 4)
     assert float(np.std(hidden[:, 0])) > 1e-3  # one row per example, each its own
+
+
+def test_a_carrys_rows_are_split_with_the_batch_and_its_other_leaves_replicated(tmp_path):
+    def recurrent(model, batch, *, rng, step, carry):
+        inputs, labels = batch
+        hidden = 0.5 * carry["hidden"] + model(inputs)
+        new = {"hidden": jax.lax.stop_gradient(hidden), "seen": carry["seen"] + 1}
+        return cross_entropy(hidden, labels), {}, new
+
+    carry = {"hidden": jnp.zeros((BATCH, 4)), "seen": jnp.zeros((3,), jnp.int32)}
+    task = TrainTask(MLP.apply, optax.sgd(0.1), compute_loss=recurrent, data=batches(), carry=carry)
+
+    def run(init):
+        return TrainLoop(
+            init=init,
+            task=task,
+            rnkey=jax.random.key(0),
+            n_steps=N_STEPS,
+            n_steps_per_checkpoint=6,
+            devices=jax.devices()[:4],
+            stdout=False,
+        )
+
+    loop = run(MLP.init)
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
+        for checkpoint in loop:
+            if checkpoint.step == 6:
+                write(checkpoint)  # the carry gathered whole into the file
+    params, held = jax.device_get((checkpoint.model_params, checkpoint.carry))
+    state = loop._runner.state.fields["carry"]
+    assert state["hidden"].sharding.spec == jax.sharding.PartitionSpec(DATA_AXIS)
+    assert state["hidden"].addressable_shards[0].data.shape == (BATCH // 4, 4)
+    assert state["seen"].sharding.is_fully_replicated  # not a row per example
+    assert held["seen"].tolist() == [N_STEPS] * 3
+    # each device holds a quarter of the rows, and the plan says so
+    assert loop.memory_plan()["carry"] == BATCH * 4 * 4 // 4 + 3 * 4
+    # resumed from step 6, laid out split again: the same bits at step 12
+    resumed = run(CheckpointFileReader(dir=str(tmp_path), target=MLP.init))
+    assert resumed.step == 6
+    ending = list(resumed)[-1]
+    for a, b in zip(
+        jax.tree.leaves((params, held)),
+        jax.tree.leaves(jax.device_get((ending.model_params, ending.carry))),
+    ):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_step_written_per_device_still_trains_and_says_so(capsys):

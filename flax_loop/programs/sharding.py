@@ -32,7 +32,7 @@ P()
 True
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -259,11 +259,15 @@ def state_shardings(
     fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
     annotations: Any = None,
     declared: Mapping[str, Field] | None = None,
+    batch_rows: Collection[int] = (),
 ) -> TrainState:
     r"""A `NamedSharding` for every leaf of the state (a `TrainState` of them).
 
     The fields a step `declared` (`flax_loop.step.Step.fields`) that mirror
-    the parameters are laid out as the parameters; the others are replicated.
+    the parameters are laid out as the parameters; in those with rows of the
+    batch (a carry), a leaf whose leading size is one of `batch_rows` (the
+    global batch's leading sizes) is split with the batch; the others are
+    replicated.
 
     The parameters get their specs. With `"fsdp"` every optimizer-state leaf
     gets the FSDP layout of its own shape (a moment is laid out as its
@@ -302,14 +306,29 @@ def state_shardings(
         )
     everything_else = jax.tree.map(lambda _: replicated, state)
     mirrors = {name: params for name, field in declared.items() if field.mirrors_params}
+    rows = {
+        name: jax.tree.map(lambda leaf: _with_the_batch(leaf, batch_rows, placement), tree)
+        for name, tree in state.fields.items()
+        if name in declared and declared[name].rows_of_batch
+    }
     return everything_else._replace(
         fields={
             **everything_else.fields,
             "model_params": params,
             "optimizer_state": optimizer_state,
             **mirrors,
+            **rows,
         }
     )
+
+
+def _with_the_batch(leaf: Any, batch_rows: Collection[int], placement: Placement) -> Any:
+    r"""The batch's layout for a leaf with a row per example of the batch
+    (split where the batch is); replicated for any other leaf."""
+    shape = tuple(getattr(leaf, "shape", ()))
+    if shape and shape[0] in batch_rows and shape[0] % placement.n_shards == 0:
+        return placement.batch_sharding
+    return placement.replicated
 
 
 def _follow_parameters(

@@ -54,7 +54,7 @@ from flax_loop.run.initial import (
     start_fields,
 )
 from flax_loop.run.interval import Intervals
-from flax_loop.run.layout import StepLayout
+from flax_loop.run.layout import StepLayout, batch_rows
 from flax_loop.run.memory import check_fits, describe_model, format_plan, fullest
 from flax_loop.run.options import (
     DEFAULT_MUTABLE_COLLECTIONS,
@@ -112,7 +112,7 @@ def assemble(
     key = as_typed_key(rnkey)
     init_labels = labels_of(collections, "init")
     model = (init_fn, key, inputs, init_labels, mutable_collections)
-    layout = StepLayout.of(options, placement, objective, task, model)
+    layout = StepLayout.of(options, placement, objective, task, model, batch_rows(feed.sample))
     say("initializing the model" if reader is None else "reading the newest checkpoint")
     start, key, step, step_key, state, shardings = _start(
         init_fn, reader, objective, layout, placement, feed, key, stdout, model,
@@ -252,7 +252,7 @@ def _start(
         step,
         start_fields(start, layout.step),
         placement,
-        layout.shardings_of if layout.sharded else None,
+        layout.shardings_for,
     )
     return start, key, step, step_key, state, shardings
 

@@ -57,7 +57,7 @@ def compiled_at_set_up(
             interrupted,
             defer,
             layout.program_key,
-            lambda: counted(layout.per_device()),
+            lambda: counted(layout.per_device(shardings is not None)),
         )
     except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError) as error:
         first = str(error).strip().splitlines()[0]

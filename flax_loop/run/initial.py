@@ -73,7 +73,7 @@ def placed(
     step: int,
     fields: Fields,
     placement: Placement,
-    shardings_of: Callable[[TrainState], TrainState] | None = None,
+    shardings_of: Callable[[TrainState], TrainState | None] | None = None,
 ) -> tuple[TrainState, TrainState | None]:
     r"""The state the first step takes, on the devices, at `step`.
 
@@ -83,16 +83,16 @@ def placed(
         fields: every field the step carries, as `start` has them
             (`start_fields`).
         placement: the devices.
-        shardings_of: the state's layout, given the state; `None`
-            replicates it over the devices.
+        shardings_of: the state's layout, given the state (`None`: every
+            leaf replicated); `None` replicates it over the devices.
 
     Returns:
         the state, and its shardings (`None` when replicated).
     """
     created = TrainState.create(fields, step)
-    if shardings_of is None:
+    shardings = None if shardings_of is None else shardings_of(created)
+    if shardings is None:
         return placement.replicate(created), None
-    shardings = shardings_of(created)
     return placement.place(created, shardings), shardings
 
 

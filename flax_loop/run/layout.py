@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
+
+import jax
 
 from flax_loop.parallel import Placement
 from flax_loop.programs.cache import identity
@@ -43,9 +45,10 @@ class StepLayout:
     shardings_of: Callable[[TrainState], TrainState]
     r"""the state's shardings, given the state."""
 
-    per_device: Callable[[], Step]
+    per_device: Callable[[bool], Step]
     r"""builds the task's step written per device, for a model or loss that
-    names the batch axis (its fields are the step's)."""
+    names the batch axis (its fields are the step's), given whether the
+    state is laid out by shardings of its own (not all replicated)."""
 
     program_key: Hashable
     r"""what determines the step's programs but the shapes they take
@@ -54,6 +57,15 @@ class StepLayout:
     @property
     def sharded(self) -> bool:
         return not is_replicated(self.sharding)
+
+    def shardings_for(self, state: TrainState) -> TrainState | None:
+        r"""The state's shardings, or `None` where every leaf is replicated
+        (the replicated layout, with no carry split with the batch)."""
+        shardings = self.shardings_of(state)
+        if self.sharded:
+            return shardings
+        replicated = all(sharding.is_fully_replicated for sharding in jax.tree.leaves(shardings))
+        return None if replicated else shardings
 
     def fields_layout(self, fields: Any) -> Any:
         r"""The shardings of the step's fields, given their shapes."""
@@ -67,14 +79,15 @@ class StepLayout:
         objective: Objective,
         task: TrainTask,
         model: tuple[Any, ...],
+        batch_rows: Collection[int] = (),
     ) -> StepLayout:
         r"""The layout the options and the model ask for, and the task's step
-        over it (`model`: `parameter_annotations`' arguments)."""
+        over it (`model`: `parameter_annotations`' arguments; `batch_rows`:
+        the global batch's leading sizes, which a carry's rows follow)."""
         annotations = None
         if options.sharding == "model" or (options.sharding is None and options.mesh is not None):
             annotations = parameter_annotations(*model)
         sharding = chosen_sharding(options.sharding, annotations)
-        sharded = not is_replicated(sharding)
         step_of = functools.partial(
             task_step,
             objective,
@@ -88,10 +101,10 @@ class StepLayout:
         )
         step = step_of(None)  # the whole batch, as on one device
 
-        def per_device() -> Step:
-            per_device = placement.n_devices > 1 or sharded
+        def per_device(laid_out: bool) -> Step:
+            per_device = placement.n_devices > 1 or laid_out
             axis_name = placement.batch_axis if per_device else None
-            return step_of(axis_name, shards=placement.batch_sharding if sharded else None)
+            return step_of(axis_name, shards=placement.batch_sharding if laid_out else None)
 
         def shardings_of(state: TrainState) -> TrainState:
             return state_shardings(
@@ -102,6 +115,7 @@ class StepLayout:
                 options.fsdp_min_bytes,
                 annotations,
                 step.fields,
+                batch_rows,
             )
 
         program_key = (
@@ -119,6 +133,18 @@ class StepLayout:
             placement.batch_axis,
         )
         return cls(step, sharding, annotations, shardings_of, per_device, program_key)
+
+
+def batch_rows(sample: Any) -> frozenset[int]:
+    r"""The global batch's leading sizes, from a process's first batch
+    (`sample`; every process feeds its share): a carry's leaf of one of
+    them has a row per example and is split with the batch."""
+    n_processes = jax.process_count()
+    return frozenset(
+        int(leaf.shape[0]) * n_processes
+        for leaf in jax.tree.leaves(sample)
+        if len(getattr(leaf, "shape", ())) >= 1
+    )
 
 
 def per_device_note(axis: str) -> str:

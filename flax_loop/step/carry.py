@@ -5,9 +5,10 @@ arrays, or at `carry(params)` for a function of the initial parameters (a
 target network starting as the online one). The step it wraps reads the
 field and returns it changed: a `compute_loss` takes it as `carry=` and
 returns `(loss, metrics, new_carry)` (`split_carry`), a task's own step
-holds it in `StepState.carry`. The carry is one global value, laid out as
-the loop lays out the state: a leaf with one row per example of the batch
-is the whole batch's rows, on any number of devices. Only the per-device
+holds it in `StepState.carry`. The carry is one global value: a leaf with
+one row per example of the batch is the whole batch's rows, on any number
+of devices, laid out split with the batch (each device holds its examples'
+rows); its other leaves are replicated. Only the per-device
 form (a step that names the batch axis) averages its floating-point leaves
 over the devices after each step (`pmean_floating`).
 
@@ -40,7 +41,7 @@ def with_carry(carry: Any) -> Transform:
     or a function of the initial parameters returning them)."""
 
     def transform(step: Step) -> Step:
-        fields = declare(step, CARRY, Field())
+        fields = declare(step, CARRY, Field(rows_of_batch=True))
 
         def init(given: Fields) -> Fields:
             inner = step.init(given)

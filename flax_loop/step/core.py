@@ -55,6 +55,11 @@ class Field(NamedTuple):
     parameters, and a file that leaves the frozen parameters out leaves its
     entries for them out too. Otherwise it is replicated."""
 
+    rows_of_batch: bool = False
+    r"""whether a leaf with a row per example of the batch (its leading size
+    is the batch's) is laid out split with the batch, each device holding
+    its examples' rows (a carry); its other leaves are replicated."""
+
 
 class Context(NamedTuple):
     r"""What a step's `update` takes besides its fields and the batch."""
