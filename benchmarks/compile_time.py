@@ -153,12 +153,17 @@ def rerun_setup(rounds):
         jax.block_until_ready(jax.device_put((params, optimizer_init(params)), jax.devices()[0]))
 
     hand(), make_loop().compiled.wait()  # compiled, in the caches
+    return alternating(hand, make_loop, rounds)
+
+
+def alternating(hand, ours, rounds):
+    """The medians of `hand()`'s and `ours()`'s seconds, called in turn."""
     pairs = []
     for _ in range(rounds):
         started = time.perf_counter()
         hand()
         middle = time.perf_counter()
-        make_loop()
+        ours()
         pairs.append((middle - started, time.perf_counter() - middle))
     return [statistics.median(column) for column in zip(*pairs)]
 
@@ -196,14 +201,7 @@ def resumed_setup(rounds):
         assert resumed.step == 10
 
     hand(), resumed()  # warm: the loop's programs and the file's pages
-    pairs = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        hand()
-        middle = time.perf_counter()
-        resumed()
-        pairs.append((middle - started, time.perf_counter() - middle))
-    return [statistics.median(column) for column in zip(*pairs)]
+    return alternating(hand, resumed, rounds)
 
 
 def main():

@@ -282,21 +282,29 @@ def test_a_damaged_file_seen_by_one_process_stops_every_process(tmp_path):
     assert "CheckpointCorruptError" in output_0
 
 
-def test_a_killed_process_stops_the_other_within_seconds_naming_it(tmp_path):
+def kill_the_second_at(step, processes, delay=0.0):
+    """SIGKILLs process 1 (no word from it, ever) `delay` seconds after
+    process 0 says it reached `step`; process 0's output and how long it
+    took to end after the kill."""
     import signal
 
-    # Process 0 is in its loop's body (not in a collective) when 1 is killed.
-    processes = start_all(2, "--n-steps", 2000, "--every", 10, "--body-delay", 60)
     try:
         for line in processes[0].stdout:
-            if line.startswith("STEP 10 "):
-                processes[1].send_signal(signal.SIGKILL)  # no word from it, ever
+            if line.startswith(f"STEP {step} "):
+                time.sleep(delay)
+                processes[1].send_signal(signal.SIGKILL)
                 killed = time.monotonic()
                 break
         output = processes[0].communicate(timeout=TIMEOUT)[0]
-        took = time.monotonic() - killed
+        return output, time.monotonic() - killed
     finally:
         stop_all(processes)
+
+
+def test_a_killed_process_stops_the_other_within_seconds_naming_it(tmp_path):
+    # Process 0 is in its loop's body (not in a collective) when 1 is killed.
+    processes = start_all(2, "--n-steps", 2000, "--every", 10, "--body-delay", 60)
+    output, took = kill_the_second_at(10, processes)
     assert processes[0].returncode == 70, output[-3000:]
     assert "process 1 stopped answering" in output
     assert took < 30  # jax.distributed alone: ~100 s, then SIGABRT
@@ -313,17 +321,7 @@ def test_a_process_killed_as_orbax_writes_stops_the_other_within_seconds(tmp_pat
     processes = start_all(
         2, "--n-steps", 2000, "--every", 10, "--orbax", "--dir", tmp_path, "--keep", 2
     )
-    try:
-        for line in processes[0].stdout:
-            if line.startswith("STEP 20 "):
-                time.sleep(0.02)
-                processes[1].send_signal(signal.SIGKILL)
-                killed = time.monotonic()
-                break
-        output = processes[0].communicate(timeout=TIMEOUT)[0]
-        took = time.monotonic() - killed
-    finally:
-        stop_all(processes)
+    output, took = kill_the_second_at(20, processes, delay=0.02)
     assert took < 30, output[-3000:]
     if processes[0].returncode == -signal.SIGABRT:  # gloo's own abort, mid-collective
         assert "gloo" in output, output[-3000:]
