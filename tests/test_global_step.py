@@ -217,6 +217,30 @@ def test_a_step_written_per_device_still_trains_and_says_so(capsys):
     assert relative_difference(one, many) < ROUNDING
 
 
+def test_a_step_written_per_device_takes_a_carry_whose_rows_are_split():
+    """Per-device code (BatchNorm over DATA_AXIS) with a carry of a row per
+    example: the carry is laid out split with the batch, so the per-device
+    step runs inside the laid-out program (it maps itself over the shards)."""
+
+    def counting(model, batch, *, rng, step, carry):
+        inputs, labels = batch
+        return cross_entropy(model(inputs), labels), {}, {"seen": carry["seen"] + 1.0}
+
+    per_device = Normalized(axis_name=DATA_AXIS)
+    task = TrainTask(
+        per_device.apply,
+        optax.sgd(0.1),
+        compute_loss=counting,
+        data=batches(),
+        carry={"seen": jnp.zeros((BATCH, 2))},
+    )
+    loop, (_, _, carry) = trained(per_device, task, 2, mutable_collections=["batch_stats"])
+    assert loop._runner.state.fields["carry"]["seen"].sharding.spec == jax.sharding.PartitionSpec(
+        DATA_AXIS
+    )
+    np.testing.assert_array_equal(carry["seen"], np.full((BATCH, 2), N_STEPS, np.float32))
+
+
 @pytest.mark.parametrize("steps_per_dispatch", [1, 4])
 def test_the_global_step_is_exact_across_cadence_and_dispatch(steps_per_dispatch):
     """Dropout on 2 devices: checkpoints every 3 steps and K steps a dispatch
