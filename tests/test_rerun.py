@@ -149,3 +149,44 @@ def test_a_cell_run_again_with_its_objects_rebuilt_takes_its_programs_from_the_c
     assert events["compiles"] >= 3 and events["hits"] == events["compiles"], events
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_rerun_with_a_carry_of_another_shape_carries_that_shape(tmp_path):
+    # The same model, optimizer and loss, so the same step's key: the shapes
+    # of the step's fields a first set-up found are kept for a re-run, and a
+    # carry of another shape must not find them.
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+
+    model, optimizer = nn.Dense(3), optax.sgd(0.1)
+    data = [(np.ones((4, 2), np.float32), np.zeros((4, 3), np.float32))] * 3
+
+    def counting(model, batch, *, rng, step, carry):
+        inputs, targets = batch
+        return ((model(inputs) - targets) ** 2).mean(), {}, {"seen": carry["seen"] + 1}
+
+    def carried(size, n_steps=3, init=model.init, write=None):
+        task = TrainTask(
+            model.apply, optimizer, compute_loss=counting, data=data,
+            carry={"seen": jnp.zeros((size,), jnp.int32)},
+        )  # fmt: skip
+        loop = TrainLoop(
+            init=init, task=task, rnkey=jax.random.key(0), n_steps=n_steps,
+            n_steps_per_checkpoint=3, devices=jax.devices()[:1], stdout=False,
+        )  # fmt: skip
+        checkpoint = loop.next_checkpoint()
+        if write is not None:
+            write(checkpoint)
+        return np.asarray(checkpoint.carry["seen"]).tolist()
+
+    assert carried(2) == [3, 3]
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
+        assert carried(5, write=write) == [3] * 5
+    # resumed: the file's carry is restored into the shapes of this run's
+    reader = CheckpointFileReader(dir=str(tmp_path), target=model.init)
+    assert carried(5, n_steps=6, init=reader) == [6] * 5

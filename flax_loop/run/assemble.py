@@ -235,6 +235,7 @@ def _start(
         layout.step,
         layout.program_key,
         keep_hyperparams=keep_hyperparams,
+        fields_key=layout.fields_key,
     )
     # processes that built other models must not meet in a collective
     distributed.agree_on_structure("training states", start.arrays())

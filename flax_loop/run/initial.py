@@ -117,6 +117,7 @@ def initial_state(
     step: Step | None = None,
     program_key: Hashable | None = None,
     keep_hyperparams: bool = False,
+    fields_key: Hashable | None = None,
 ) -> CheckpointFile:
     r"""The newest file of `reader`'s directory, or a fresh initialization at
     step 0 (a `CheckpointFile` whose `path` is `None`).
@@ -143,7 +144,7 @@ def initial_state(
         None if key is None else ("init shapes", key, signature((rnkey, *inputs))),
         lambda: _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels),
     )
-    shapes, shardings = _laid_out(dict(zip(CORE, core)), step, layout)
+    shapes, shardings = _laid_out(dict(zip(CORE, core)), step, layout, fields_key)
     # In one process the state is created in its layout (never whole on one
     # device); several processes create it on their own and place it later.
     place = None
@@ -189,11 +190,19 @@ def _init_key(
     return ("init", identity(init), tuple(labels), identity(mutable_collections), program_key)
 
 
-def _laid_out(shapes: Fields, step: Step | None, layout: Layout | None) -> tuple[Any, Any]:
+def _laid_out(
+    shapes: Fields, step: Step | None, layout: Layout | None, key: Hashable | None = None
+) -> tuple[Any, Any]:
     r"""The shapes of the step's fields (its `init` of the core `shapes`),
-    each with its sharding, and those shardings (`None` without a layout)."""
+    each with its sharding, and those shardings (`None` without a layout);
+    with the step's fields `key` (`StepLayout.fields_key`), a re-run finds
+    the shapes its first set-up traced."""
     if step is not None:
-        shapes = jax.eval_shape(step.init, shapes)
+        core, init = shapes, step.init
+        shapes = cache.compiled(
+            None if key is None else ("fields shapes", key, signature(core)),
+            lambda: jax.eval_shape(init, core),
+        )
     shardings = None if layout is None else layout(shapes)
     if shardings is not None:
         shapes = jax.tree.map(

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from flax_loop.parallel import Placement
-from flax_loop.programs.cache import identity
+from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.sharding import Sharding, chosen_sharding, is_replicated, state_shardings
 from flax_loop.programs.state import TrainState
 from flax_loop.run.initial import parameter_annotations
@@ -53,6 +53,11 @@ class StepLayout:
     program_key: Hashable
     r"""what determines the step's programs but the shapes they take
     (`flax_loop.programs.cache`)."""
+
+    fields_key: Hashable
+    r"""what determines the shapes of the step's fields but the shapes of
+    the state it starts from: the step's key and the task's carry (its
+    arrays' shapes, or the function that makes them)."""
 
     @property
     def sharded(self) -> bool:
@@ -132,7 +137,9 @@ class StepLayout:
             placement.mesh,
             placement.batch_axis,
         )
-        return cls(step, sharding, annotations, shardings_of, per_device, program_key)
+        carry = getattr(task, "carry", None)
+        fields_key = (program_key, identity(carry) if callable(carry) else signature(carry))
+        return cls(step, sharding, annotations, shardings_of, per_device, program_key, fields_key)
 
 
 def batch_rows(sample: Any) -> frozenset[int]:
