@@ -193,16 +193,13 @@ def _init_key(
 def _laid_out(
     shapes: Fields, step: Step | None, layout: Layout | None, key: Hashable | None = None
 ) -> tuple[Any, Any]:
-    r"""The shapes of the step's fields (its `init` of the core `shapes`),
-    each with its sharding, and those shardings (`None` without a layout);
-    with the step's fields `key` (`StepLayout.fields_key`), a re-run finds
-    the shapes its first set-up traced."""
+    r"""The shapes of the step's fields (its `init` of the core `shapes`; a
+    re-run finds them by the step's fields `key`, `StepLayout.fields_key`),
+    each with its sharding, and those shardings (`None` without a layout)."""
     if step is not None:
         core, init = shapes, step.init
-        shapes = cache.compiled(
-            None if key is None else ("fields shapes", key, signature(core)),
-            lambda: jax.eval_shape(init, core),
-        )
+        key = None if key is None else ("fields shapes", key, signature(core))
+        shapes = cache.compiled(key, lambda: jax.eval_shape(init, core))
     shardings = None if layout is None else layout(shapes)
     if shardings is not None:
         shapes = jax.tree.map(
