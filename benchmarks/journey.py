@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
+from harness import cross_entropy  # noqa: E402
 
 from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask  # noqa: E402
 
@@ -35,10 +36,6 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
-
-
-def cross_entropy(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def batches():

@@ -72,8 +72,9 @@ class ModelKind:
         return cls(is_nnx(apply))
 
     def as_one(self, apply: Any) -> Any:
-        r"""The model as the step uses it (`as_one`), without asking again."""
-        return as_one(apply) if self.several and self.nnx else apply
+        r"""The model as the step uses it: several NNX modules as one
+        `nnx.Dict`, anything else as it is (the model is not asked again)."""
+        return _one_module(apply) if self.several and self.nnx else apply
 
 
 def check_models(models: Mapping[str, Any], where: str) -> None:
@@ -105,14 +106,11 @@ def check_models(models: Mapping[str, Any], where: str) -> None:
             )
 
 
-def as_one(models: Any) -> Any:
-    r"""A model as the step uses it: a dict of NNX modules as one `nnx.Dict`,
-    anything else as it is."""
-    if is_several(models) and all(is_nnx(model) for model in models.values()):
-        from flax import nnx
+def _one_module(modules: Mapping[str, Any]) -> Any:
+    r"""NNX modules by name as one `nnx.Dict`."""
+    from flax import nnx
 
-        return nnx.Dict(**models)
-    return models
+    return nnx.Dict(**modules)
 
 
 def as_init(inits: Any) -> Any:
@@ -122,7 +120,7 @@ def as_init(inits: Any) -> Any:
         return inits
     check_models(inits, "init")
     if all(is_nnx(model) for model in inits.values()):
-        return as_one(inits)
+        return _one_module(inits)
     return _SeveralInit(dict(inits))
 
 
