@@ -8,6 +8,8 @@ and before the next interval, never later.
 """
 
 import io
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ from flax_loop import CheckpointFileWriter, TrainLoop, TrainTask, set_console
 from flax_loop.checkpoint import as_summary, train_statistics
 from flax_loop.errors import NonFiniteError
 from flax_loop.run.throughput import TimeBreakdown
-from tests.helpers import MLP, batches, cross_entropy, digits_loop, digits_split, file_names
+from tests.helpers import MLP, ROOT, batches, cross_entropy, digits_loop, digits_split, file_names
 from tests.test_nonfinite import poisoned_loop
 
 STATISTICS = ("loss", "mean_loss", "n_nonfinite_steps", "elapsed_time")
@@ -153,3 +155,22 @@ def test_after_a_non_finite_interval_a_mended_state_trains_on(path):
     rest = list(loop)  # the error was raised once: the mended state trains on
     assert [checkpoint.step for checkpoint in rest] == [15, 20]
     assert all(np.isfinite(checkpoint.loss) for checkpoint in rest)
+
+
+def test_the_interpreter_waits_at_exit_for_numbers_on_their_way():
+    # A checkpoint handed out early and held to interpreter exit: the thread
+    # that reads its numbers is waited for (before `atexit` handlers run), not
+    # killed inside JAX while the interpreter shuts down, which aborted the
+    # process ("terminate called ... exception not rethrown") in 1 exit of 3.
+    program = """
+import atexit, jax, jax.numpy as jnp
+from flax_loop.run.arrival import Arrival
+busy = jax.jit(lambda m: jax.lax.fori_loop(0, 300, lambda _, m: jnp.tanh(m @ m), m))
+arrival = Arrival({"loss": busy(jnp.full((256, 256), 0.01)).sum()}, later=True)
+atexit.register(lambda: print("on their way at exit:", arrival.pending))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["on", "their", "way", "at", "exit:", "False"]

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from flax_loop.data.batch import Batch
 from flax_loop.parallel import Placement
+from flax_loop.programs.folding import folded_dots
 from flax_loop.programs.packing import LayoutChanged, Packing, on_packed
 from flax_loop.programs.state import TrainState, close_interval
 from flax_loop.programs.statistics import Update
@@ -120,6 +121,8 @@ def lower_update(
     stacked = n_steps > 1
     assert not stacked or with_grads == closing, "several steps return gradients only to close"
 
+    if mode == "global" and placement.n_devices > 1:
+        update = folded_dots(update)  # the gradients laid out as on one device
     steps = _program(update, stacked, with_grads, closing, packing)
     n_outputs = 4 if closing else 3 if with_grads else 2
     batch_layout = placement.batch_shardings(batch, stacked)

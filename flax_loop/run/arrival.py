@@ -166,7 +166,10 @@ class Arrival:
         r"""`time.perf_counter()` when the values were on the host."""
         self._thread: threading.Thread | None = None
         if later:
-            self._thread = threading.Thread(target=self._read, name="arrival", daemon=True)
+            # Not a daemon: the interpreter waits for it at exit. A daemon
+            # thread still reading when the interpreter shuts down is ended
+            # inside JAX's C++ code, which aborts the process.
+            self._thread = threading.Thread(target=self._read, name="arrival")
             self._thread.start()
         else:
             self._read()
