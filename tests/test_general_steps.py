@@ -138,6 +138,39 @@ def test_compute_loss_calls_the_model_twice_with_rng_and_step_as_written_by_hand
     same(last.model_state["batch_stats"], stats)
 
 
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_a_loss_that_reports_metrics_is_traced_once_for_every_program(n_devices):
+    # The first lowering learns the metrics' names from the step's trace, and
+    # the state then carries their sums: the programs lowered after it (the
+    # state with its sums, a scan of steps, the interval's closing steps)
+    # inline that one trace instead of running the model and the loss again.
+    traced = []
+
+    def loss(model, batch, *, rng, step):
+        traced.append(batch["image"].shape)
+        logits = model(batch["image"])
+        right = (jnp.argmax(logits, -1) == batch["label"]).mean()
+        return cross_entropy(logits, batch["label"]), {"accuracy": right}
+
+    model = nn.Dense(10)
+    loop = TrainLoop(
+        init=model.init,
+        task=TrainTask(model.apply, optax.sgd(0.1), data=stream(), compute_loss=loss),
+        rnkey=jax.random.key(SEED),
+        input_sample=X[:BATCH],
+        n_steps=8,
+        n_steps_per_checkpoint=4,
+        steps_per_dispatch=2,
+        devices=jax.devices()[:n_devices],
+        stdout=False,
+    )
+    checkpoints = list(loop)
+    loop.compiled.wait()
+    assert traced == [(BATCH, 64)]
+    assert [c.step for c in checkpoints] == [4, 8]
+    assert 0 < checkpoints[-1].train_metrics["accuracy"] <= 1
+
+
 # -- a DDPM: timesteps and noise drawn from rng ---------------------------------
 
 T = 50

@@ -88,10 +88,19 @@ def counted(step: Step) -> Update:
         that every compiled variant inlines.
     """
 
+    def stepped(fields: Any, batch: Batch, key: Any, done: jax.Array, frozen: Any) -> Any:
+        return step.update(fields, batch, Context(key, done, frozen))
+
+    # The step's own trace, kept by `jax.jit` for its arguments' shapes: the
+    # state's metric sums, which the first lowering learns from this very
+    # trace (`LayoutChanged`), change the update's arguments but not the
+    # step's, so the model and the loss are traced once, not twice.
+    stepped_once = jax.jit(stepped, inline=True)
+
     def update(state: TrainState, batch: Batch, inputs: Any) -> tuple[TrainState, Any]:
         key, frozen = inputs if isinstance(inputs, StepInputs) else (inputs, None)
         done, n_bad, first_bad = state.counters[0], state.counters[1], state.counters[2]
-        fields, outcome = step.update(state.fields, batch, Context(key, done, frozen))
+        fields, outcome = stepped_once(state.fields, batch, key, done, frozen)
         check_kept(fields, state.fields)
         finite = jnp.asarray(outcome.finite)
         number = done + 1
