@@ -97,6 +97,16 @@ def test_products_in_nested_programs_are_folded_and_the_others_kept():
     for a, b in zip(jax.jit(grad)(w, u), jax.jit(folded_dots(grad))(w, u)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
+    def precise(w, x):  # each operand keeps its precision when they swap
+        highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT)
+        product = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=highest)
+        return jnp.sum(jnp.tanh(product))
+
+    folded = jax.make_jaxpr(folded_dots(jax.grad(precise)))(w, x[0])
+    (last,) = [eqn for eqn in folded.jaxpr.eqns if eqn.outvars == folded.jaxpr.outvars]
+    assert last.primitive.name == "dot_general"
+    assert last.params["precision"] == (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST)
+
     def used_twice(a, b):  # the product is needed as it is: left alone
         p = a @ b
         return p.T, p
@@ -104,8 +114,13 @@ def test_products_in_nested_programs_are_folded_and_the_others_kept():
     def batched(a, b):  # a product with batch dimensions: XLA lays it out itself
         return jnp.swapaxes(jnp.matmul(a, b), 1, 2)
 
+    uneven = jax.lax.DotAlgorithm(jnp.bfloat16, jnp.float32, jnp.float32)
+
+    def apart(a, b):  # an algorithm that treats its operands apart: as written
+        return jax.grad(lambda b: jnp.sum(jax.lax.dot(a, b, precision=uneven)))(b)
+
     a, b = jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
-    for fn, args in ((used_twice, (a[0], b[0])), (batched, (a, b))):
+    for fn, args in ((used_twice, (a[0], b[0])), (batched, (a, b)), (apart, (a[0], b[0]))):
         closed = jax.make_jaxpr(folded_dots(fn))(*args)
         assert transposes(closed) == transposes(jax.make_jaxpr(fn)(*args)) == 1
 

@@ -116,6 +116,14 @@ def _swapped(product: JaxprEqn, transpose: JaxprEqn) -> JaxprEqn | None:
     if tuple(transpose.params["permutation"]) != swap:
         return None
     params = dict(product.params, dimension_numbers=((rhs_contracting, lhs_contracting), ((), ())))
+    precision = params.get("precision")
+    if isinstance(precision, tuple) and len(precision) == 2:  # each operand keeps its own
+        params["precision"] = precision[::-1]
+    elif isinstance(precision, jax.lax.DotAlgorithm) and (
+        (precision.lhs_precision_type, precision.lhs_component_count)
+        != (precision.rhs_precision_type, precision.rhs_component_count)
+    ):
+        return None  # an algorithm that treats its operands apart: left as written
     sharding = params.get("out_sharding")
     if sharding is not None:  # the product's layout under `jax.jit`, transposed too
         spec = tuple(sharding.spec) + (None,) * (n_lhs + n_rhs - len(sharding.spec))
