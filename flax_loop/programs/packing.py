@@ -139,3 +139,12 @@ def _packable(leaf: Any, max_leaf_bytes: int) -> bool:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or getattr(leaf, "weak_type", False):
         return False
     return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(dtype).itemsize <= max_leaf_bytes
+
+
+def packing_of(state: Any) -> Packing | None:
+    r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
+    or one with fewer than two leaves to pack."""
+    if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) > MAX_STATE_BYTES:
+        return None
+    packing = Packing(state)
+    return packing if packing.n_packed >= 2 else None

@@ -24,7 +24,7 @@ from flax_loop.parallel import Placement
 from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.lowering import PER_DEVICE_MODES, lower_update
-from flax_loop.programs.packing import MAX_STATE_BYTES, LayoutChanged, Packing, on_packed
+from flax_loop.programs.packing import LayoutChanged, Packing, on_packed, packing_of
 from flax_loop.programs.state import TrainState, close_interval
 from flax_loop.programs.statistics import Update
 
@@ -241,8 +241,9 @@ class Variants:
             return packed, compile, state, shardings, packing, mode
 
         def lowered() -> tuple[Any, jax.stages.Lowered]:
-            packed = self._packed(state, packing)
-            return packed, self.lower(name, packed, shardings, mode, packing)
+            # from the shapes: the state is packed once, its layout settled
+            shapes = self._packed_shapes(state, packing)
+            return shapes, self.lower(name, shapes, shardings, mode, packing)
 
         try:
             try:
@@ -265,6 +266,7 @@ class Variants:
             packed, program = lowered()
         else:
             names = None
+        packed = self._packed(state, packing)
         cache.keep(first_key, (mode, names))
         key = self.cache_key(
             "variant", name, mode, signature(jax.tree.map(abstract, packed)), signature(shardings)
@@ -275,6 +277,13 @@ class Variants:
         r"""From now on, the update written per device."""
         assert self.per_device is not None, "only a step that has one runs per device"
         self.update = self.per_device()
+
+    def _packed_shapes(self, state: TrainState, packing: Packing | None) -> Any:
+        r"""The shapes and layout of the state as the programs take it."""
+        if packing is None:
+            return jax.tree.map(abstract, state)
+        replicated = functools.partial(abstract, sharding=self.placement.replicated)
+        return jax.tree.map(replicated, jax.eval_shape(packing.pack, state))
 
     def _packed(self, state: TrainState, packing: Packing | None) -> Any:
         r"""The state as the programs take it (packed, when it travels so)."""
@@ -348,17 +357,8 @@ def with_fields(
     return cache.compiled(key, lambda: program) if key is not None else program
 
 
-def packing_of(state: TrainState) -> Packing | None:
-    r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
-    or one with fewer than two leaves to pack."""
-    if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) > MAX_STATE_BYTES:
-        return None
-    packing = Packing(state)
-    return packing if packing.n_packed >= 2 else None
-
-
-def abstract(leaf: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+def abstract(leaf: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding or leaf.sharding)
 
 
 _LEVEL = "xla_backend_optimization_level"
