@@ -97,6 +97,15 @@ def test_products_in_nested_programs_are_folded_and_the_others_kept():
     for a, b in zip(jax.jit(grad)(w, u), jax.jit(folded_dots(grad))(w, u)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
+    def tied(w, x):  # a weight used transposed: its gradient transposed twice
+        return jnp.sum(jnp.tanh(x[0] @ w.T))
+
+    e = jnp.full((5, 6), 0.1)
+    tied_grad = jax.grad(tied)
+    assert transposes(jax.make_jaxpr(tied_grad)(e, x)) == 3
+    assert transposes(jax.make_jaxpr(folded_dots(tied_grad))(e, x)) == 1  # `w.T` itself
+    np.testing.assert_array_equal(jax.jit(tied_grad)(e, x), jax.jit(folded_dots(tied_grad))(e, x))
+
     def precise(w, x):  # each operand keeps its precision when they swap
         highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT)
         product = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=highest)

@@ -64,7 +64,17 @@ def _folded_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
 def _folded(jaxpr: Jaxpr) -> Jaxpr:
     r"""`jaxpr` with its foldable transposes folded, nested jaxprs (of
     `jit`, `scan`, `while`, `cond`, `jax.checkpoint`) too; `jaxpr` itself
-    where nothing folds."""
+    where nothing folds. A fold can make another: a weight used transposed
+    (`x @ w.T`, a tied embedding) has its gradient transposed twice."""
+    for _ in range(4):
+        folded = _folded_once(jaxpr)
+        if folded is jaxpr:
+            break
+        jaxpr = folded
+    return jaxpr
+
+
+def _folded_once(jaxpr: Jaxpr) -> Jaxpr:
     products = _single_use_products(jaxpr)
     eqns: list[JaxprEqn] = []
     folded_away: set[int] = set()
