@@ -240,14 +240,14 @@ class Variants:
             compile = self._compile_first(name, packed, shardings, mode, packing)
             return packed, compile, state, shardings, packing, mode
 
-        def lowered() -> tuple[Any, jax.stages.Lowered]:
+        def lowered() -> jax.stages.Lowered:
             # from the shapes: the state is packed once, its layout settled
             shapes = self._packed_shapes(state, packing)
-            return shapes, self.lower(name, shapes, shardings, mode, packing)
+            return self.lower(name, shapes, shardings, mode, packing)
 
         try:
             try:
-                packed, program = lowered()
+                program = lowered()
             except NameError as error:
                 # A model or loss that names the batch axis (BatchNorm(axis_name=
                 # "data"), all_gather, psum) is written per device: run it so,
@@ -257,13 +257,13 @@ class Variants:
                     raise
                 self._per_device()
                 mode = "gspmd" if shardings is not None else "shard_map"
-                packed, program = lowered()
+                program = lowered()
         except LayoutChanged as changed:  # the step reports metrics: carry their sums
             names = tuple(changed.state.metric_sums)
             state, shardings = with_sums(state, shardings, names, placement)
             if packing is not None:
                 packing = packing_of(state)
-            packed, program = lowered()
+            program = lowered()
         else:
             names = None
         packed = self._packed(state, packing)
