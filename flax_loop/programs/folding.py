@@ -41,6 +41,17 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
+NESTING = frozenset(
+    ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan", "while", "cond")
+    + ("custom_jvp_call", "custom_vjp_call")
+)
+r"""The primitives whose nested jaxprs are folded too: calls, control flow,
+rematerialization and custom derivatives, parts of the one program the
+partitioner splits. The others are left as written: a `shard_map`'s body
+is per-device code (its collectives its own), a kernel's (`pallas_call`)
+is lowered by rules of its own that may not take a product's operands
+swapped."""
+
 
 def folded_dots(fn: Callable[..., Any]) -> Callable[..., Any]:
     r"""`fn` with the transposes of its products folded into them, the
@@ -88,7 +99,7 @@ def _folded_once(jaxpr: Jaxpr) -> Jaxpr:
             eqns.append(swapped)
             changed = True
             continue
-        params = _with_folded_jaxprs(eqn.params)
+        params = _with_folded_jaxprs(eqn.params) if eqn.primitive.name in NESTING else eqn.params
         if params is not eqn.params:
             eqn, changed = eqn.replace(params=params), True
         eqns.append(eqn)
