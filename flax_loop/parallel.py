@@ -131,7 +131,7 @@ class Placement:
         r"""Places a pytree of host or device arrays with the given shardings
         (a tree of `NamedSharding` objects of the same structure)."""
         if not self.multiprocess:
-            return jax.device_put(tree, shardings)
+            return _put(tree, shardings)
 
         def place(leaf: Any, sharding: NamedSharding) -> jax.Array:
             if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
@@ -266,3 +266,27 @@ def key_names(path: tuple[Any, ...]) -> tuple[str, ...]:
         return str(entry)
 
     return tuple(name(entry) for entry in path)
+
+
+def _put(tree: Any, shardings: Any) -> Any:
+    r"""`jax.device_put(tree, shardings)`, the leaves already in place (committed
+    to their sharding) taken as they are, as `device_put` would return them,
+    without its cost (~17 us a leaf: a set-up's state placed again)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    moved = [
+        index
+        for index, (leaf, sharding) in enumerate(zip(leaves, targets))
+        if not (
+            isinstance(leaf, jax.Array)
+            and getattr(leaf, "committed", False)
+            and leaf.sharding == sharding
+        )
+    ]
+    if moved:
+        put = jax.device_put(
+            [leaves[index] for index in moved], [targets[index] for index in moved]
+        )
+        for index, leaf in zip(moved, put):
+            leaves[index] = leaf
+    return jax.tree.unflatten(treedef, leaves)

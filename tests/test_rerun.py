@@ -190,3 +190,46 @@ def test_a_rerun_with_a_carry_of_another_shape_carries_that_shape(tmp_path):
     # resumed: the file's carry is restored into the shapes of this run's
     reader = CheckpointFileReader(dir=str(tmp_path), target=model.init)
     assert carried(5, n_steps=6, init=reader) == [6] * 5
+
+
+def test_a_rerun_finds_every_program_at_set_up_and_starts_no_compiling_thread():
+    """A re-run's programs are all in the process's cache: set-up takes them
+    there, on the caller's thread, instead of handing them to a compiling
+    thread (which the caller's next steps would share the interpreter with)."""
+    import threading
+
+    import jax
+    import numpy as np
+    import optax
+
+    from flax_loop import TrainLoop, TrainTask
+    from tests.helpers import MLP, cross_entropy
+
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8))] * 4
+    model, optimizer = MLP(), optax.adam(1e-3)
+
+    def loop():
+        return TrainLoop(
+            init=model.init,
+            task=TrainTask(model.apply, optimizer, cross_entropy, data),
+            rnkey=jax.random.key(0),
+            n_steps=4,
+            n_steps_per_checkpoint=2,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+    def compiling_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("flax_loop-compile")}
+
+    first = loop()
+    assert "compiling" in first.compiled.status().values() or compiling_threads()
+    first.compiled.wait()
+    before = compiling_threads()
+    again = loop()
+    assert compiling_threads() <= before  # none started
+    status = again.compiled.status()
+    assert status["last"] == status["one"] == status["copy"] == "compiled", status
+    assert status["close"] == "on first call", status  # needed only by a stop
+    assert [c.step for c in again] == [c.step for c in first] == [2, 4]

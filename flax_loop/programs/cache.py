@@ -26,7 +26,17 @@ from typing import Any, TypeVar
 
 from flax_loop.step.keys import Identity, identity, signature
 
-__all__ = ["Identity", "MAX_PROGRAMS", "compiled", "found", "identity", "keep", "signature"]
+__all__ = [
+    "Identity",
+    "MAX_PROGRAMS",
+    "NotCompiled",
+    "compiled",
+    "found",
+    "identity",
+    "if_compiled",
+    "keep",
+    "signature",
+]
 
 MAX_PROGRAMS = 64
 r"""The compiled programs a process keeps (the newest)."""
@@ -35,24 +45,44 @@ _programs: "OrderedDict[Hashable, Any]" = OrderedDict()
 _lock = threading.Lock()  # the background compilation thread uses it too
 
 _T = TypeVar("_T")
+_refusing = threading.local()  # `if_compiled` on this thread
+
+
+class NotCompiled(Exception):
+    r"""Raised by `compiled` under `if_compiled`, for a program it would compile."""
 
 
 def compiled(key: Hashable | None, compile: Callable[[], _T]) -> _T:
     r"""The program of `key`, compiled (by `compile()`) once a process;
     `key=None` compiles it every time."""
-    if key is None:
-        return compile()
-    with _lock:
-        found = _programs.get(key)
-        if found is not None:
-            _programs.move_to_end(key)
-            return found
+    if key is not None:
+        with _lock:
+            found = _programs.get(key)
+            if found is not None:
+                _programs.move_to_end(key)
+                return found
+    if getattr(_refusing, "on", False):
+        raise NotCompiled(key)
     program = compile()
+    if key is None:
+        return program
     with _lock:
         _programs[key] = program
         while len(_programs) > MAX_PROGRAMS:
             _programs.popitem(last=False)
     return program
+
+
+def if_compiled(make: Callable[[], _T]) -> _T | None:
+    r"""`make()` where every program it asks `compiled` for is in the cache
+    (a re-run's: no thread needed to compile it), else `None`."""
+    _refusing.on = True
+    try:
+        return make()
+    except NotCompiled:
+        return None
+    finally:
+        _refusing.on = False
 
 
 def found(key: Hashable | None) -> Any:

@@ -168,9 +168,19 @@ class CompiledSteps:
         others, and the interval's separate close (needed only when an
         interval ends without its `last` step: a stop, the stream's end), when
         first called; the checkpoint's copier on the background thread."""
-        background = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="flax_loop-compile"
-        )
+        threads: list[concurrent.futures.ThreadPoolExecutor] = []
+
+        def in_background(compile: Callable[[], Any]) -> Any:
+            r"""A re-run's program from the cache; another's future."""
+            ready = cache.if_compiled(compile)
+            if ready is not None:
+                return ready
+            if not threads:  # one thread, started when there is work for it
+                threads.append(
+                    concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flax_loop-compile")
+                )
+            return threads[0].submit(compile)
+
         try:
             if defer:
                 self.programs[first] = Compiling(program, self.programs, first, waited=self._waited)
@@ -178,10 +188,12 @@ class CompiledSteps:
                 self.programs[first] = program()
             for name, compile in later.items():
                 if name in needed:
-                    future = background.submit(compile)
-                    self.programs[name] = Compiling(
-                        future, self.programs, name, lambda: self.interrupted, self._waited
-                    )
+                    program = in_background(compile)
+                    if isinstance(program, concurrent.futures.Future):
+                        program = Compiling(
+                            program, self.programs, name, lambda: self.interrupted, self._waited
+                        )
+                    self.programs[name] = program
                 else:
                     self.programs[name] = Compiling(
                         compile, self.programs, name, waited=self._waited
@@ -203,9 +215,13 @@ class CompiledSteps:
             )
             # every checkpoint copies the state
             copy = functools.partial(self._compile_copy, placement)
-            self._copy = Compiling(copy if defer else background.submit(copy), waited=self._waited)
+            copier = copy if defer else in_background(copy)
+            if defer or isinstance(copier, concurrent.futures.Future):
+                copier = Compiling(copier, waited=self._waited)
+            self._copy = copier
         finally:
-            background.shutdown(wait=False)  # the thread ends after the last one
+            for thread in threads:
+                thread.shutdown(wait=False)  # the thread ends after the last one
 
     @property
     def state_shapes(self) -> TrainState:

@@ -25,6 +25,7 @@ leaves travel as they are: concatenating them would cost each step a copy
 (2, 3)
 """
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -76,7 +77,7 @@ class Packing:
                 self.dtypes.append(dtype)
                 sizes.append(0)
             group = self.dtypes.index(dtype)
-            size = int(np.prod(leaf.shape, dtype=np.int64))
+            size = math.prod(leaf.shape)
             self._slots.append(_Slot(group, sizes[group], size, tuple(leaf.shape)))
             sizes[group] += size
         self.n_packed = sum(slot is not None for slot in self._slots)
@@ -138,7 +139,7 @@ def _packable(leaf: Any, max_leaf_bytes: int) -> bool:
     dtype = leaf.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or getattr(leaf, "weak_type", False):
         return False
-    return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(dtype).itemsize <= max_leaf_bytes
+    return math.prod(leaf.shape) * np.dtype(dtype).itemsize <= max_leaf_bytes
 
 
 def packing_of(state: Any) -> Packing | None:

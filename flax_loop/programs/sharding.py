@@ -32,6 +32,7 @@ P()
 True
 """
 
+import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -131,7 +132,7 @@ def fsdp_spec(
     r"""The FSDP layout of one leaf: split along its largest dimension that
     `n_shards` divides (over the mesh axis `axis_name`), if it holds at least
     `min_bytes`; else replicated."""
-    if n_shards == 1 or int(np.prod(shape, dtype=np.int64)) * itemsize < min_bytes:
+    if n_shards == 1 or math.prod(shape) * itemsize < min_bytes:
         return PartitionSpec()
     candidates = [axis for axis, size in enumerate(shape) if size % n_shards == 0]
     if not candidates:

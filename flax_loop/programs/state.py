@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_loop.checkpoint import Saved
 from flax_loop.errors import NonFiniteError
@@ -77,9 +78,10 @@ class TrainState(NamedTuple):
     def create(cls, fields: Mapping[str, Any], step: int) -> "TrainState":
         r"""A state of `fields` at `step`, with empty interval sums."""
         return cls(
-            counters=jnp.asarray([step, 0, 0], jnp.int32),
+            # host values: placed with the state (no program run for them)
+            counters=np.asarray([step, 0, 0], np.int32),
             fields=dict(fields),
-            loss_sum=jnp.zeros((), jnp.float32),
+            loss_sum=np.zeros((), np.float32),
             metric_sums={},
         )
 

@@ -244,7 +244,9 @@ def _start(
         feed.restore(start.data_state, stdout)
         log(f"Resumed from step {start.step:,} ({start.path}).", stdout=stdout)
     step = distributed.agree("the step to resume from", start.step)
-    step_key: Any = placement.replicate(run_once(train_key, None, key, key="train key"))
+    # made in place on one process (several place it after: `Placement.place`)
+    made_in = None if placement.multiprocess else placement.replicated
+    step_key: Any = placement.replicate(run_once(train_key, made_in, key, key="train key"))
     frozen = None if objective.frozen is None else objective.frozen.arrays()
     if frozen is not None:  # beside the key: replicated, never donated
         step_key = StepInputs(step_key, placement.replicate(frozen))

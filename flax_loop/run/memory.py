@@ -16,6 +16,7 @@ devices count their shard; replicated ones count whole on each device.
 '6.0 MiB a device: params 1.0 MiB, optimizer state 2.0 MiB, batch 4.0 KiB, checkpoint copy 3.0 MiB'
 """
 
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -49,9 +50,9 @@ def _shard_bytes(leaf: Any) -> tuple[int, Iterable[Any]]:
     itemsize = leaf.dtype.itemsize  # a typed key's too (np.dtype has none)
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
-        return int(np.prod(leaf.shape, dtype=np.int64)) * itemsize, ()
+        return math.prod(leaf.shape) * itemsize, ()
     shape = sharding.shard_shape(leaf.shape)
-    return int(np.prod(shape, dtype=np.int64)) * itemsize, sharding.device_set
+    return math.prod(shape) * itemsize, sharding.device_set
 
 
 def per_device_bytes(tree: Any, devices: Sequence[Any]) -> list[int]:
