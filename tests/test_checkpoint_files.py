@@ -338,3 +338,24 @@ def test_writing_holds_at_most_one_array_beyond_the_state(tmp_path):
     np.testing.assert_array_equal(
         raw.model_params["layer3"], np.full((leaf // 4,), 3.0, np.float32)
     )
+
+
+def test_checksums_of_small_arrays_here_and_of_large_ones_on_a_thread_agree_with_crc32():
+    """A file's small arrays are summed where they are read, a full chunk
+    starts the summing thread and those after it go to the thread too: each
+    array's checksum is its own, in any mix."""
+    import threading
+    import zlib
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.bytes(n) for n in (12, 3 * 1000, format._CHUNK, 7, format._CHUNK + 5, 1)]
+    with format.Checksums() as checksums:
+        sums = []
+        for data in arrays:
+            view = memoryview(data)
+            for start in range(0, len(data), format._CHUNK):
+                checksums.add(view[start : start + format._CHUNK])
+                if data is arrays[1]:  # small ones so far: no thread
+                    assert not any(t.name == "flax_loop-crc32" for t in threading.enumerate())
+            sums.append(checksums.result())
+    assert sums == [zlib.crc32(data) for data in arrays]

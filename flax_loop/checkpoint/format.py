@@ -88,7 +88,9 @@ class Checksums:
     chunk k while chunk k + 1 is read or written takes the time of the slower
     of the two, not of both (benchmarks/checkpoint_io.py).
     A plain thread, not an executor: background writes may run while the
-    interpreter exits, when executors no longer accept work.
+    interpreter exits, when executors no longer accept work. The thread
+    starts with the first full chunk: a file of small arrays is summed
+    where it is read (handing each to a thread cost more than summing it).
 
     >>> with Checksums() as checksums:
     ...     for chunk in (b"flax", b"_loop"):
@@ -103,11 +105,10 @@ class Checksums:
     def __init__(self) -> None:
         self._chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="flax_loop-crc32", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._here = 0  # the running checksum while no thread runs
 
-    def _run(self) -> None:
-        checksum = 0
+    def _run(self, checksum: int) -> None:
         while (chunk := self._chunks.get()) is not None:
             if chunk is self._END:
                 self._results.put(checksum)
@@ -119,9 +120,20 @@ class Checksums:
                     checksum = error  # type: ignore[assignment]
 
     def add(self, chunk: memoryview) -> None:
+        if self._thread is None:
+            if len(chunk) < _CHUNK:
+                self._here = zlib.crc32(chunk, self._here)
+                return
+            self._thread = threading.Thread(
+                target=self._run, args=(self._here,), name="flax_loop-crc32", daemon=True
+            )
+            self._thread.start()
         self._chunks.put(chunk)
 
     def result(self) -> int:
+        if self._thread is None:
+            value, self._here = self._here, 0
+            return value
         self._chunks.put(self._END)
         value = self._results.get()
         if isinstance(value, BaseException):
@@ -132,8 +144,9 @@ class Checksums:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._chunks.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._chunks.put(None)
+            self._thread.join()
 
 
 def _host_leaf(leaf: Any) -> np.ndarray:

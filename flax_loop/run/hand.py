@@ -210,6 +210,9 @@ def task_hyperparams(optimizer_state: Any, optimizer: Any) -> tuple[Any, list[st
     r"""A resumed optimizer state with the task's constant injected
     hyperparameters where the file holds others, and a description of each
     change (`"learning_rate 0.05 -> 0.1"`)."""
+    injected = jax.tree.leaves(optimizer_state, is_leaf=lambda node: isinstance(node, _INJECTED))
+    if not any(isinstance(node, _INJECTED) for node in injected):
+        return optimizer_state, []  # (probing the optimizer runs its update)
     constants = constant_hyperparams(optimizer)
     nodes = iter(constants)
     changes: list[str] = []
