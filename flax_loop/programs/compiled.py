@@ -205,7 +205,10 @@ class CompiledSteps:
             closing_layout = (replicated if shardings is None else shardings, replicated)
             packing, shapes = self.packing, self._abstract
             key = self._variants.cache_key(
-                "close", signature(shapes), signature(grads), identity(closing_layout)
+                "close",
+                self._variants.signature_of(shapes),
+                signature(grads),
+                identity(closing_layout),
             )
             self._close_interval = Compiling(
                 lambda: cache.compiled(
@@ -260,7 +263,7 @@ class CompiledSteps:
         self.programs[MANY_LAST] = program
 
     def _compile_copy(self, placement: Placement) -> Callable[..., Any]:
-        key = self._variants.cache_key("copy", signature(self._abstract))
+        key = self._variants.cache_key("copy", self._variants.signature_of(self._abstract))
         return compile_copy(self.packing, placement, self._abstract, key)
 
     def copier(self) -> Callable[[Any], dict[str, Any]]:
@@ -276,7 +279,7 @@ class CompiledSteps:
         `fields` (the step's fields, of the state's structure, shapes and
         dtypes) instead of its own, its counters and sums kept (the steps are
         not compiled again)."""
-        key = self._variants.cache_key("with fields", signature(self._abstract))
+        key = self._variants.cache_key("with fields", self._variants.signature_of(self._abstract))
         return with_fields(self.packing, self._unpacked, self._abstract, key)(state, fields)
 
     def wait(self) -> None:

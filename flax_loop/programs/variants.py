@@ -145,6 +145,8 @@ class Variants:
         only one), for a model or loss that names the batch axis."""
         r"""what determines the programs but their arguments' shapes, or `None`
         (compile every program: `flax_loop.programs.cache`)."""
+        self._planned: tuple[Any, ...] | None = None
+        self._signed: tuple[Any, Hashable] | None = None  # (tree, its signature)
         self.unpacked: Hashable = None
         r"""the unpacked state's signature (the programs unpack it), once
         `first` settled it."""
@@ -154,9 +156,18 @@ class Variants:
         plan, the batches and the key it was planned with, and `parts`."""
         if self.program_key is None:
             return None
-        plan = (self.plan.steps_per_dispatch, self.plan.closing_steps)
-        batches = signature(self.batches)
-        return (self.program_key, self.unpacked, plan, batches, signature(self.key), *parts)
+        if self._planned is None:  # what every key shares, once
+            plan = (self.plan.steps_per_dispatch, self.plan.closing_steps)
+            self._planned = (self.program_key, plan, signature(self.batches), signature(self.key))
+        return (*self._planned, self.unpacked, *parts)
+
+    def signature_of(self, tree: Any) -> Hashable:
+        r"""`signature(tree)`, kept for the tree last asked for (the state's
+        shapes, which every later program's key names)."""
+        signed = self._signed  # (read once: the compiling thread asks too)
+        if signed is None or signed[0] is not tree:
+            signed = self._signed = (tree, signature(tree))
+        return signed[1]
 
     def compiled(
         self,
@@ -167,7 +178,7 @@ class Variants:
         packing: Packing | None,
     ) -> Any:
         r"""The variant `name` compiled (once a process for its key)."""
-        key = self.cache_key("variant", name, mode, signature(state), signature(shardings))
+        key = self.cache_key("variant", name, mode, self.signature_of(state), signature(shardings))
         return cache.compiled(
             key, lambda: self.lower(name, state, shardings, mode, packing).compile()
         )
@@ -209,7 +220,7 @@ class Variants:
             ),
             stacked,
         )
-        key = self.cache_key("closing group", size, signature(state), signature(shardings))
+        key = self.cache_key("closing group", size, self.signature_of(state), signature(shardings))
 
         def compile() -> Any:
             lowered = lower(state, closing, n_steps=size, with_grads=True, closing=True)
