@@ -273,7 +273,7 @@ def _put(tree: Any, shardings: Any) -> Any:
     to their sharding) taken as they are, as `device_put` would return them,
     without its cost (~17 us a leaf: a set-up's state placed again)."""
     leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
+    targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
     moved = [
         index
         for index, (leaf, sharding) in enumerate(zip(leaves, targets))

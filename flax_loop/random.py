@@ -169,5 +169,5 @@ def same_key(a: jax.Array, b: jax.Array) -> bool:
     if jax.random.key_impl(a) != jax.random.key_impl(b):
         return False
     # on the host: comparing on the device dispatches three programs
-    data = [np.asarray(jax.random.key_data(key)) for key in (a, b)]
-    return bool(np.array_equal(*data))
+    first, second = (np.asarray(jax.random.key_data(key)) for key in (a, b))
+    return bool(np.array_equal(first, second))

@@ -6,7 +6,7 @@ r"""The training state the compiled step carries, and an interval's statistics.
 """
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +78,10 @@ class TrainState(NamedTuple):
     def create(cls, fields: Mapping[str, Any], step: int) -> "TrainState":
         r"""A state of `fields` at `step`, with empty interval sums."""
         return cls(
-            # host values: placed with the state (no program run for them)
-            counters=np.asarray([step, 0, 0], np.int32),
+            # host values until the state is placed (no program run for them)
+            counters=cast(jax.Array, np.asarray([step, 0, 0], np.int32)),
             fields=dict(fields),
-            loss_sum=np.zeros((), np.float32),
+            loss_sum=cast(jax.Array, np.zeros((), np.float32)),
             metric_sums={},
         )
 
