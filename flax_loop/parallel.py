@@ -123,15 +123,17 @@ class Placement:
             return CPU_COLLECTIVE_DISPATCH_DEPTH
         return DEFAULT_DISPATCH_DEPTH
 
-    def replicate(self, tree: Any) -> Any:
-        r"""Places a pytree of host or device arrays on every device."""
-        return self.place(tree, jax.tree.map(lambda _: self.replicated, tree))
+    def replicate(self, tree: Any, keep_host: bool = False) -> Any:
+        r"""Places a pytree of host or device arrays on every device (`place`)."""
+        return self.place(tree, jax.tree.map(lambda _: self.replicated, tree), keep_host)
 
-    def place(self, tree: Any, shardings: Any) -> Any:
+    def place(self, tree: Any, shardings: Any, keep_host: bool = False) -> Any:
         r"""Places a pytree of host or device arrays with the given shardings
-        (a tree of `NamedSharding` objects of the same structure)."""
+        (a tree of `NamedSharding` objects of the same structure); with
+        `keep_host` (one process only), numpy arrays stay on the host, for
+        a program's call to transfer (`jax.device_put` costs ~40 us a leaf)."""
         if not self.multiprocess:
-            return _put(tree, shardings)
+            return _put(tree, shardings, keep_host)
 
         def place(leaf: Any, sharding: NamedSharding) -> jax.Array:
             if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
@@ -268,20 +270,27 @@ def key_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(name(entry) for entry in path)
 
 
-def _put(tree: Any, shardings: Any) -> Any:
+def _put(tree: Any, shardings: Any, keep_host: bool = False) -> Any:
     r"""`jax.device_put(tree, shardings)`, the leaves already in place (committed
     to their sharding) taken as they are, as `device_put` would return them,
-    without its cost (~17 us a leaf: a set-up's state placed again)."""
+    without its cost (~17 us a leaf: a set-up's state placed again); with
+    `keep_host`, numpy arrays left as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
-    moved = [
-        index
-        for index, (leaf, sharding) in enumerate(zip(leaves, targets))
-        if not (
+
+    def in_place(leaf: Any, sharding: Any) -> bool:
+        if keep_host and isinstance(leaf, np.ndarray):
+            return True
+        return (
             isinstance(leaf, jax.Array)
             and getattr(leaf, "committed", False)
             and leaf.sharding == sharding
         )
+
+    moved = [
+        index
+        for index, (leaf, sharding) in enumerate(zip(leaves, targets))
+        if not in_place(leaf, sharding)
     ]
     if moved:
         put = jax.device_put(

@@ -233,3 +233,57 @@ def test_a_rerun_finds_every_program_at_set_up_and_starts_no_compiling_thread():
     assert status["last"] == status["one"] == status["copy"] == "compiled", status
     assert status["close"] == "on first call", status  # needed only by a stop
     assert [c.step for c in again] == [c.step for c in first] == [2, 4]
+
+
+def test_a_loop_resuming_in_the_process_that_wrote_its_file_compiles_nothing(
+    tmp_path, without_compilation_cache
+):
+    """A file's arrays go to the devices with the packing program's call
+    (not placed one by one first): that program is keyed and compiled as
+    for the placed state, so a resumed loop in the process of a fresh one
+    takes it, and every other program, from the process's cache, and
+    trains the same bits as the loop that goes on."""
+    import jax
+    import numpy as np
+    import optax
+
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
+    from tests.helpers import MLP, cross_entropy
+
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8))] * 8
+    model, optimizer = MLP(), optax.adam(1e-3)
+
+    def loop(init):
+        return TrainLoop(
+            init=init,
+            task=TrainTask(model.apply, optimizer, cross_entropy, data),
+            rnkey=jax.random.key(0),
+            n_steps=4,
+            n_steps_per_checkpoint=2,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, duration, **kwargs: (
+            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
+    fresh = loop(model.init)
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
+        write(fresh.next_checkpoint())
+    fresh.compiled.wait()
+    last = fresh.next_checkpoint()
+    before = len(compiles)
+    resumed = loop(CheckpointFileReader(dir=str(tmp_path), target=model.init))
+    assert resumed.step == 2
+    resumed.compiled.wait()
+    assert len(compiles) == before  # nothing compiled
+    again = resumed.next_checkpoint()
+    assert again.step == last.step == 4
+    for ours, theirs in zip(
+        jax.tree.leaves(again.model_params), jax.tree.leaves(last.model_params)
+    ):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))

@@ -343,7 +343,8 @@ def key_from_data(impl: str, data: Any) -> Any:
     import jax
     import numpy as np
 
-    return jax.random.wrap_key_data(jax.numpy.asarray(data, dtype=np.uint32), impl=impl)
+    # the data cast on the host: a cast on the device compiles a program
+    return jax.random.wrap_key_data(jax.device_put(np.asarray(data, np.uint32)), impl=impl)
 
 
 def restore_key(meta: dict[str, Any], path: str) -> "jax.Array | None":

@@ -30,6 +30,7 @@ from flax_loop.programs.variants import (
     Compiling,
     Variants,
     abstract,
+    as_placed,
     compile_close,
     compile_copy,
     packing_of,
@@ -117,7 +118,7 @@ class CompiledSteps:
         r"""the layout the state travels in, or `None` (a sharded state)."""
         self.mode = mode  # (`flax_loop.programs.lowering`): how the programs run
         # the unpacked state's shapes and layout, for the programs below
-        self._unpacked = jax.tree.map(abstract, state)
+        self._unpacked = jax.tree.map(abstract, as_placed(state, placement.replicated))
         self.state = packed
         r"""the state to start from (with the metric sums the loss needs)."""
         self._lower = functools.partial(

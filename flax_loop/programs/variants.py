@@ -238,7 +238,8 @@ class Variants:
         takes what that first lowering found, and lowers nothing."""
         placement = self.placement
         mode = "global" if shardings is not None or placement.n_devices > 1 else "jit"
-        first_key = self.cache_key("first", name, signature(state), signature(shardings))
+        placed = as_placed(state, placement.replicated)
+        first_key = self.cache_key("first", name, signature(placed), signature(shardings))
         known = cache.found(first_key)
         if known is not None:
             mode, names = known
@@ -291,18 +292,29 @@ class Variants:
 
     def _packed_shapes(self, state: TrainState, packing: Packing | None) -> Any:
         r"""The shapes and layout of the state as the programs take it."""
+        replicated = self.placement.replicated
         if packing is None:
-            return jax.tree.map(abstract, state)
-        replicated = functools.partial(abstract, sharding=self.placement.replicated)
-        return jax.tree.map(replicated, jax.eval_shape(packing.pack, state))
+            return jax.tree.map(abstract, as_placed(state, replicated))
+        on_devices = functools.partial(abstract, sharding=replicated)
+        return jax.tree.map(on_devices, jax.eval_shape(packing.pack, state))
 
     def _packed(self, state: TrainState, packing: Packing | None) -> Any:
-        r"""The state as the programs take it (packed, when it travels so)."""
-        self.unpacked = signature(state)
-        if packing is None:
-            return state
+        r"""The state as the programs take it: packed, when it travels so, by
+        a program whose call also transfers the host's arrays
+        (`flax_loop.run.initial.placed` leaves them there)."""
         replicated = self.placement.replicated
-        return run_once(packing.pack, replicated, state, key=("pack", self.unpacked))
+        shapes = as_placed(state, replicated)
+        self.unpacked = signature(shapes)
+        if packing is None:  # host arrays only where packing was planned: replicated
+            return jax.tree.map(
+                lambda leaf: (
+                    self.placement.replicate(leaf) if isinstance(leaf, np.ndarray) else leaf
+                ),
+                state,
+            )
+        return run_once(
+            packing.pack, replicated, state, key=("pack", self.unpacked), like=(shapes,)
+        )
 
     def _compile_first(
         self,
@@ -372,23 +384,38 @@ def abstract(leaf: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding or leaf.sharding)
 
 
+def as_placed(tree: Any, sharding: Any) -> Any:
+    r"""`tree` with each host (numpy) array as the abstract array it becomes
+    placed with `sharding`: a state whose host arrays its packing program
+    transfers is keyed, lowered and shaped as the placed state."""
+    return jax.tree.map(
+        lambda leaf: abstract(leaf, sharding) if isinstance(leaf, np.ndarray) else leaf, tree
+    )
+
+
 _LEVEL = "xla_backend_optimization_level"
 
 
 def run_once(
-    fn: Callable[..., Any], out_shardings: Any, *args: Any, key: Hashable | None = None
+    fn: Callable[..., Any],
+    out_shardings: Any,
+    *args: Any,
+    key: Hashable | None = None,
+    like: tuple[Any, ...] | None = None,
 ) -> Any:
     r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
     once (an initialization), compiled with `run_once_options()`; with a
     `key` (what determines `fn`: `flax_loop.programs.cache`), compiled once a
-    process for the arguments' shapes."""
+    process for the arguments' shapes, or for those of `like` (the
+    arguments as placed: `as_placed`)."""
+    shapes = args if like is None else like
 
     def compile() -> Any:
-        lowered = jax.jit(fn, out_shardings=out_shardings).lower(*args)
+        lowered = jax.jit(fn, out_shardings=out_shardings).lower(*shapes)
         return lowered.compile(compiler_options=run_once_options())
 
     if key is not None:
-        key = ("run once", key, signature(args), identity(out_shardings))
+        key = ("run once", key, signature(shapes), identity(out_shardings))
     return cache.compiled(key, compile)(*args)
 
 

@@ -34,6 +34,7 @@ from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
+from flax_loop.programs.packing import packing_of
 from flax_loop.programs.sharding import linen_annotations
 from flax_loop.programs.state import TrainState
 from flax_loop.programs.variants import run_once
@@ -92,7 +93,10 @@ def placed(
     created = TrainState.create(fields, step)
     shardings = None if shardings_of is None else shardings_of(created)
     if shardings is None:
-        return placement.replicate(created), None
+        # a state that travels packed is placed by its packing program: the
+        # host's arrays (a file's, the counters) go with that program's call
+        packed = not placement.multiprocess and packing_of(created) is not None
+        return placement.replicate(created, keep_host=packed), None
     return placement.place(created, shardings), shardings
 
 
