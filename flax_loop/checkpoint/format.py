@@ -24,7 +24,7 @@ import threading
 import urllib.parse
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import ml_dtypes
 import msgpack
@@ -343,8 +343,10 @@ def key_from_data(impl: str, data: Any) -> Any:
     import jax
     import numpy as np
 
-    # the data cast on the host: a cast on the device compiles a program
-    return jax.random.wrap_key_data(jax.device_put(np.asarray(data, np.uint32)), impl=impl)
+    # the data cast on the host (a cast on the device compiles a program),
+    # which `wrap_key_data` takes as it is
+    host = cast("jax.Array", np.asarray(data, np.uint32))
+    return jax.random.wrap_key_data(host, impl=impl)
 
 
 def restore_key(meta: dict[str, Any], path: str) -> "jax.Array | None":
