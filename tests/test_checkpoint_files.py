@@ -20,7 +20,7 @@ from flax_loop import (
     LowestCheckpointFileWriter,
     Summary,
 )
-from flax_loop.checkpoint import format, parse
+from flax_loop.checkpoint import checksums, format, parse
 from flax_loop.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -348,14 +348,14 @@ def test_checksums_of_small_arrays_here_and_of_large_ones_on_a_thread_agree_with
     import zlib
 
     rng = np.random.default_rng(0)
-    arrays = [rng.bytes(n) for n in (12, 3 * 1000, format._CHUNK, 7, format._CHUNK + 5, 1)]
-    with format.Checksums() as checksums:
+    arrays = [rng.bytes(n) for n in (12, 3 * 1000, checksums.CHUNK, 7, checksums.CHUNK + 5, 1)]
+    with checksums.Checksums() as summing:
         sums = []
         for data in arrays:
             view = memoryview(data)
-            for start in range(0, len(data), format._CHUNK):
-                checksums.add(view[start : start + format._CHUNK])
+            for start in range(0, len(data), checksums.CHUNK):
+                summing.add(view[start : start + checksums.CHUNK])
                 if data is arrays[1]:  # small ones so far: no thread
                     assert not any(t.name == "flax_loop-crc32" for t in threading.enumerate())
-            sums.append(checksums.result())
+            sums.append(summing.result())
     assert sums == [zlib.crc32(data) for data in arrays]

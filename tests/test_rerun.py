@@ -198,27 +198,7 @@ def test_a_rerun_finds_every_program_at_set_up_and_starts_no_compiling_thread():
     thread (which the caller's next steps would share the interpreter with)."""
     import threading
 
-    import jax
-    import numpy as np
-    import optax
-
-    from flax_loop import TrainLoop, TrainTask
-    from tests.helpers import MLP, cross_entropy
-
-    rng = np.random.default_rng(0)
-    data = [(rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8))] * 4
-    model, optimizer = MLP(), optax.adam(1e-3)
-
-    def loop():
-        return TrainLoop(
-            init=model.init,
-            task=TrainTask(model.apply, optimizer, cross_entropy, data),
-            rnkey=jax.random.key(0),
-            n_steps=4,
-            n_steps_per_checkpoint=2,
-            devices=jax.devices()[:1],
-            stdout=False,
-        )
+    loop = small_mlp_loops(4)
 
     def compiling_threads():
         return {t for t in threading.enumerate() if t.name.startswith("flax_loop-compile")}
@@ -245,25 +225,11 @@ def test_a_loop_resuming_in_the_process_that_wrote_its_file_compiles_nothing(
     trains the same bits as the loop that goes on."""
     import jax
     import numpy as np
-    import optax
 
-    from flax_loop import CheckpointFileReader, CheckpointFileWriter, TrainLoop, TrainTask
-    from tests.helpers import MLP, cross_entropy
+    from flax_loop import CheckpointFileReader, CheckpointFileWriter
 
-    rng = np.random.default_rng(0)
-    data = [(rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8))] * 8
-    model, optimizer = MLP(), optax.adam(1e-3)
-
-    def loop(init):
-        return TrainLoop(
-            init=init,
-            task=TrainTask(model.apply, optimizer, cross_entropy, data),
-            rnkey=jax.random.key(0),
-            n_steps=4,
-            n_steps_per_checkpoint=2,
-            devices=jax.devices()[:1],
-            stdout=False,
-        )
+    loop = small_mlp_loops(8)
+    model = loop.model
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -271,7 +237,7 @@ def test_a_loop_resuming_in_the_process_that_wrote_its_file_compiles_nothing(
             compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
         )
     )
-    fresh = loop(model.init)
+    fresh = loop()
     with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
         write(fresh.next_checkpoint())
     fresh.compiled.wait()
@@ -287,3 +253,32 @@ def test_a_loop_resuming_in_the_process_that_wrote_its_file_compiles_nothing(
         jax.tree.leaves(again.model_params), jax.tree.leaves(last.model_params)
     ):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def small_mlp_loops(n_batches):
+    """`loop(init=None)`: a TrainLoop of one small MLP, optimizer and data
+    (made once), 4 steps with a checkpoint every 2, on one device."""
+    import jax
+    import numpy as np
+    import optax
+
+    from flax_loop import TrainLoop, TrainTask
+    from tests.helpers import MLP, cross_entropy
+
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8))] * n_batches
+    model, optimizer = MLP(), optax.adam(1e-3)
+
+    def loop(init=None):
+        return TrainLoop(
+            init=init or model.init,
+            task=TrainTask(model.apply, optimizer, cross_entropy, data),
+            rnkey=jax.random.key(0),
+            n_steps=4,
+            n_steps_per_checkpoint=2,
+            devices=jax.devices()[:1],
+            stdout=False,
+        )
+
+    loop.model = model
+    return loop

@@ -179,13 +179,13 @@ def test_a_variant_the_cadence_never_calls_compiles_when_first_called():
 
 def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch):
     # The state is created by a program compiled once at a lower XLA
-    # optimization level on CPU (flax_loop/initial.py::run_once): its values
+    # optimization level on CPU (flax_loop/programs/once.py::run_once): its values
     # are those of init compiled with XLA's defaults (level 3), bit for bit.
     import flax.linen as nn
     import optax
 
-    import flax_loop.programs.variants
-    from flax_loop.programs.variants import run_once_options
+    import flax_loop.programs.once
+    from flax_loop.programs.once import run_once_options
     from flax_loop.random import init_key
     from flax_loop.run.initial import initial_state, initialize_model
 
@@ -222,7 +222,7 @@ def test_init_compiled_for_a_short_compilation_gives_the_same_values(monkeypatch
     # The options reach the compilation: at level 0 this net's conv kernel
     # rounds differently, so the equality above is not that of one program.
     level_0 = {"xla_backend_optimization_level": 0}
-    monkeypatch.setattr(flax_loop.programs.variants, "run_once_options", lambda: level_0)
+    monkeypatch.setattr(flax_loop.programs.once, "run_once_options", lambda: level_0)
     other = initial_state(Net().init, optimizer, key, (x,), labels, mutable_collections=True)
     assert not all(
         np.array_equal(np.asarray(a), np.asarray(b))

@@ -34,7 +34,7 @@ import numpy as np
 
 from flax_loop.checkpoint import parse
 from flax_loop.checkpoint._names import SUFFIX, TEMPORARY_PREFIX, LeftOut, array_names
-from flax_loop.checkpoint.format import Checksums
+from flax_loop.checkpoint.checksums import Checksums
 from flax_loop.errors import CheckpointCorruptError, CheckpointError, FlaxLoopError
 
 _STEP_NAME = re.compile(r"[0-9]+")

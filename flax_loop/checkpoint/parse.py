@@ -14,9 +14,9 @@ import msgpack
 import numpy as np
 
 from flax_loop.checkpoint._names import array_names
+from flax_loop.checkpoint.checksums import CHUNK, Checksums
 from flax_loop.checkpoint.format import (
     _ARRAY_REF,
-    _CHUNK,
     _DTYPES,
     END_MAGIC,
     FORMAT_NAME,
@@ -28,7 +28,6 @@ from flax_loop.checkpoint.format import (
     MAX_EXTENT,
     MAX_STEP,
     TAIL,
-    Checksums,
 )
 from flax_loop.errors import CheckpointCorruptError, CheckpointVersionError
 
@@ -256,8 +255,8 @@ def _read_array(
     array = np.empty(shape, dtype)
     stream.seek(offset)
     view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-    for start in range(0, nbytes, _CHUNK):
-        chunk = view[start : start + _CHUNK]
+    for start in range(0, nbytes, CHUNK):
+        chunk = view[start : start + CHUNK]
         if stream.readinto(chunk) != len(chunk):  # type: ignore[attr-defined]
             checksums.result()  # drain what was queued for this array
             raise CheckpointCorruptError(f"{path} is truncated inside array {index}.")

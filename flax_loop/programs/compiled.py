@@ -24,16 +24,15 @@ from flax_loop.parallel import Placement
 from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.lowering import lower_update
+from flax_loop.programs.once import abstract, as_placed
+from flax_loop.programs.packing import packing_of
 from flax_loop.programs.state import TrainState
 from flax_loop.programs.statistics import Update
 from flax_loop.programs.variants import (
     Compiling,
     Variants,
-    abstract,
-    as_placed,
     compile_close,
     compile_copy,
-    packing_of,
     with_fields,
 )
 
@@ -169,19 +168,7 @@ class CompiledSteps:
         others, and the interval's separate close (needed only when an
         interval ends without its `last` step: a stop, the stream's end), when
         first called; the checkpoint's copier on the background thread."""
-        threads: list[concurrent.futures.ThreadPoolExecutor] = []
-
-        def in_background(compile: Callable[[], Any]) -> Any:
-            r"""A re-run's program from the cache; another's future."""
-            ready = cache.if_compiled(compile)
-            if ready is not None:
-                return ready
-            if not threads:  # one thread, started when there is work for it
-                threads.append(
-                    concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flax_loop-compile")
-                )
-            return threads[0].submit(compile)
-
+        background = _Background(self._waited)
         try:
             if defer:
                 self.programs[first] = Compiling(program, self.programs, first, waited=self._waited)
@@ -189,12 +176,9 @@ class CompiledSteps:
                 self.programs[first] = program()
             for name, compile in later.items():
                 if name in needed:
-                    program = in_background(compile)
-                    if isinstance(program, concurrent.futures.Future):
-                        program = Compiling(
-                            program, self.programs, name, lambda: self.interrupted, self._waited
-                        )
-                    self.programs[name] = program
+                    self.programs[name] = background.program(
+                        compile, self.programs, name, lambda: self.interrupted
+                    )
                 else:
                     self.programs[name] = Compiling(
                         compile, self.programs, name, waited=self._waited
@@ -219,13 +203,9 @@ class CompiledSteps:
             )
             # every checkpoint copies the state
             copy = functools.partial(self._compile_copy, placement)
-            copier = copy if defer else in_background(copy)
-            if defer or isinstance(copier, concurrent.futures.Future):
-                copier = Compiling(copier, waited=self._waited)
-            self._copy = copier
+            self._copy = Compiling(copy, waited=self._waited) if defer else background.program(copy)
         finally:
-            for thread in threads:
-                thread.shutdown(wait=False)  # the thread ends after the last one
+            background.shutdown()
 
     @property
     def state_shapes(self) -> TrainState:
@@ -307,3 +287,37 @@ class CompiledSteps:
         the stream's end, a shorter last batch): `-> (state with its
         interval sums reset, statistics)`, compiled when first needed."""
         return self._close_interval(state, grads)
+
+
+class _Background:
+    r"""Where set-up's later programs come from: the process's cache (a
+    re-run's, on the caller's thread), or the one compiling thread, started
+    when a program is not there (`waited` counts the seconds a call waits)."""
+
+    def __init__(self, waited: Callable[[float], None]) -> None:
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._waited = waited
+
+    def program(
+        self,
+        compile: Callable[[], Any],
+        programs: dict[str, Any] | None = None,
+        name: str = "",
+        interrupted: Callable[[], Callable[[], bool] | None] = lambda: None,
+    ) -> Any:
+        r"""`compile()`'s program if the cache has it, else a `Compiling` of
+        it on the thread (`programs`, `name`, `interrupted`: `Compiling`'s)."""
+        ready = cache.if_compiled(compile)
+        if ready is not None:
+            return ready
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="flax_loop-compile"
+            )
+        future = self._thread.submit(compile)
+        return Compiling(future, programs, name, interrupted, self._waited)
+
+    def shutdown(self) -> None:
+        r"""The thread ends after its last program."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)

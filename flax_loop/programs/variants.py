@@ -3,13 +3,11 @@ r"""The step's variants lowered and compiled: the pieces `CompiledSteps` is made
 `Variants` lowers the plan's variants of the update for the placement (the
 first one at set-up, which settles the state's final form: packed, with a
 sum for each metric the step reports); `Compiling` is a program compiling
-on the background thread or when first called; `run_once` compiles a
-program run once (an initialization) for a short compilation.
+on the background thread or when first called.
 """
 
 import concurrent.futures
 import functools
-import os
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -22,8 +20,9 @@ from flax_loop.data.batch import Batch
 from flax_loop.data.feed import LAST, MANY, MANY_LAST, DispatchPlan
 from flax_loop.parallel import Placement
 from flax_loop.programs import cache
-from flax_loop.programs.cache import identity, signature
+from flax_loop.programs.cache import signature
 from flax_loop.programs.lowering import PER_DEVICE_MODES, lower_update
+from flax_loop.programs.once import abstract, as_placed, run_once, run_once_options
 from flax_loop.programs.packing import LayoutChanged, Packing, on_packed, packing_of
 from flax_loop.programs.state import TrainState, close_interval
 from flax_loop.programs.statistics import Update
@@ -378,57 +377,3 @@ def with_fields(
     shardings = jax.tree.map(lambda leaf: leaf.sharding, packed)
     program = jax.jit(replaced, out_shardings=shardings)
     return cache.compiled(key, lambda: program) if key is not None else program
-
-
-def abstract(leaf: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding or leaf.sharding)
-
-
-def as_placed(tree: Any, sharding: Any) -> Any:
-    r"""`tree` with each host (numpy) array as the abstract array it becomes
-    placed with `sharding`: a state whose host arrays its packing program
-    transfers is keyed, lowered and shaped as the placed state."""
-    return jax.tree.map(
-        lambda leaf: abstract(leaf, sharding) if isinstance(leaf, np.ndarray) else leaf, tree
-    )
-
-
-_LEVEL = "xla_backend_optimization_level"
-
-
-def run_once(
-    fn: Callable[..., Any],
-    out_shardings: Any,
-    *args: Any,
-    key: Hashable | None = None,
-    like: tuple[Any, ...] | None = None,
-) -> Any:
-    r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
-    once (an initialization), compiled with `run_once_options()`; with a
-    `key` (what determines `fn`: `flax_loop.programs.cache`), compiled once a
-    process for the arguments' shapes, or for those of `like` (the
-    arguments as placed: `as_placed`)."""
-    shapes = args if like is None else like
-
-    def compile() -> Any:
-        lowered = jax.jit(fn, out_shardings=out_shardings).lower(*shapes)
-        return lowered.compile(compiler_options=run_once_options())
-
-    if key is not None:
-        key = ("run once", key, signature(shapes), identity(out_shardings))
-    return cache.compiled(key, compile)(*args)
-
-
-def run_once_options() -> dict[str, Any] | None:
-    r"""XLA options for a program run once.
-
-    XLA's CPU backend spends most of an initialization's compilation
-    optimizing code that runs once (the initializers' threefry hashes, at
-    LLVM's highest level by default): at level 2 a 3-conv CNN's init
-    compiles in 0.9 s instead of 3.6 s, runs as fast, and gives the same
-    values bit for bit (tests/test_startup.py). A level set in `XLA_FLAGS`
-    is kept; other backends compile with their defaults.
-    """
-    if jax.default_backend() != "cpu" or _LEVEL in os.environ.get("XLA_FLAGS", ""):
-        return None
-    return {_LEVEL: 2}

@@ -40,8 +40,9 @@ import jax
 import numpy as np
 import optax
 
-from flax_loop.checkpoint import SavedState
+from flax_loop.checkpoint import CheckpointFile, SavedState
 from flax_loop.errors import ConfigError
+from flax_loop.log import log
 from flax_loop.parallel import key_names
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -276,3 +277,37 @@ def hyperparams_changer(
         return dataclasses.replace(saved, optimizer_state=state)
 
     return changed
+
+
+def with_task_hyperparams(
+    restored: CheckpointFile, optimizer: Any, keep: bool = False
+) -> CheckpointFile:
+    r"""The restored state with the task's constant injected hyperparameters
+    (`optax.inject_hyperparams`) where the file holds others, or with the
+    file's when `keep` (`TrainLoop(hyperparams="file")`: a rate the caller
+    set survives a restart); said in one line either way."""
+    parts = getattr(optimizer, "parts", None)
+    if parts is None or restored.optimizer_state is None:
+        return restored
+    states = optimizer.of_parts(restored.optimizer_state)
+    changed_states, changes = list(states), []
+    for index, part in enumerate(parts):
+        changed_states[index], changed = task_hyperparams(states[index], part.optimizer)
+        changes += [f"{'' if part.name is None else part.name + ' '}{c}" for c in changed]
+    if not changes:
+        return restored
+    if keep:
+        log(
+            f"{restored.path}'s injected hyperparameters differ from the task's: training "
+            f"goes on with the file's, as hyperparams='file' asks ({', '.join(changes)}; "
+            "the file's, then the task's).",
+            lead="Resumed:",
+        )
+        return restored
+    log(
+        f"The task's injected hyperparameters differ from {restored.path}'s: training "
+        f"goes on with the task's ({', '.join(changes)}; the file's -> the task's). "
+        "TrainLoop(hyperparams='file') keeps the file's.",
+        lead="Resumed:",
+    )
+    return dataclasses.replace(restored, optimizer_state=optimizer.by_part(changed_states))

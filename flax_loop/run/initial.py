@@ -34,12 +34,12 @@ from flax_loop.log import log
 from flax_loop.parallel import Placement
 from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
+from flax_loop.programs.once import run_once
 from flax_loop.programs.packing import packing_of
 from flax_loop.programs.sharding import linen_annotations
 from flax_loop.programs.state import TrainState
-from flax_loop.programs.variants import run_once
 from flax_loop.random import init_key, into_collection, same_key
-from flax_loop.run.hand import task_hyperparams
+from flax_loop.run.hand import with_task_hyperparams
 from flax_loop.step.core import CORE, Fields, Step
 from flax_loop.step.model import SOWN
 from flax_loop.step.modules import NNXModel
@@ -172,7 +172,7 @@ def initial_state(
         if restored is not None:
             restored = dataclasses.replace(restored, step=int(restored.step))
             _check_optimizer_order(restored, optimizer)
-            return _with_task_hyperparams(restored, optimizer, keep_hyperparams)
+            return with_task_hyperparams(restored, optimizer, keep_hyperparams)
     params, model_state, optimizer_state = _guarded(
         lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
     )
@@ -250,40 +250,6 @@ def _check_optimizer_order(restored: CheckpointFile, optimizer: Any) -> None:
             "them in the dict's order: give task.optimizer (and compute_loss, "
             "trainable) in the file's order, or start a new directory."
         )
-
-
-def _with_task_hyperparams(
-    restored: CheckpointFile, optimizer: Any, keep: bool = False
-) -> CheckpointFile:
-    r"""The restored state with the task's constant injected hyperparameters
-    (`optax.inject_hyperparams`) where the file holds others, or with the
-    file's when `keep` (`TrainLoop(hyperparams="file")`: a rate the caller
-    set survives a restart); said in one line either way."""
-    parts = getattr(optimizer, "parts", None)
-    if parts is None or restored.optimizer_state is None:
-        return restored
-    states = optimizer.of_parts(restored.optimizer_state)
-    changed_states, changes = list(states), []
-    for index, part in enumerate(parts):
-        changed_states[index], changed = task_hyperparams(states[index], part.optimizer)
-        changes += [f"{'' if part.name is None else part.name + ' '}{c}" for c in changed]
-    if not changes:
-        return restored
-    if keep:
-        log(
-            f"{restored.path}'s injected hyperparameters differ from the task's: training "
-            f"goes on with the file's, as hyperparams='file' asks ({', '.join(changes)}; "
-            "the file's, then the task's).",
-            lead="Resumed:",
-        )
-        return restored
-    log(
-        f"The task's injected hyperparameters differ from {restored.path}'s: training "
-        f"goes on with the task's ({', '.join(changes)}; the file's -> the task's). "
-        "TrainLoop(hyperparams='file') keeps the file's.",
-        lead="Resumed:",
-    )
-    return dataclasses.replace(restored, optimizer_state=optimizer.by_part(changed_states))
 
 
 def _put_back_frozen(restored: CheckpointFile, initialize: Callable[[], Any]) -> CheckpointFile:
