@@ -126,6 +126,10 @@ def test_a_large_state_travels_unpacked():
     from flax_loop.programs.packing import MAX_STATE_BYTES
 
     loop = digits_loop(MLP(features=(2048,)), n_steps=2)  # Adam: ~1.8 MB of state
+    # the state the first step takes is on the devices, its counters too
+    # (made on the host, placed with the state where no packing program runs)
+    start = jax.tree.leaves(loop.compiled.state)
+    assert all(isinstance(leaf, jax.Array) and leaf.committed for leaf in start)
     *_, checkpoint = list(loop)
     assert loop.compiled.packing is None
     state_bytes = 3 * sum(leaf.nbytes for leaf in jax.tree.leaves(checkpoint.model_params))

@@ -24,7 +24,7 @@ from flax_loop.parallel import Placement
 from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.lowering import lower_update
-from flax_loop.programs.once import abstract, as_placed
+from flax_loop.programs.once import abstract
 from flax_loop.programs.packing import packing_of
 from flax_loop.programs.state import TrainState
 from flax_loop.programs.statistics import Update
@@ -117,7 +117,7 @@ class CompiledSteps:
         r"""the layout the state travels in, or `None` (a sharded state)."""
         self.mode = mode  # (`flax_loop.programs.lowering`): how the programs run
         # the unpacked state's shapes and layout, for the programs below
-        self._unpacked = jax.tree.map(abstract, as_placed(state, placement.replicated))
+        self._unpacked = variants.unpacked_shapes
         self.state = packed
         r"""the state to start from (with the metric sums the loss needs)."""
         self._lower = functools.partial(

@@ -26,7 +26,6 @@ leaves travel as they are: concatenating them would cost each step a copy
 """
 
 import math
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -145,29 +144,8 @@ def _packable(leaf: Any, max_leaf_bytes: int) -> bool:
 
 def packing_of(state: Any) -> Packing | None:
     r"""The state's packing; `None` for a state of more than `MAX_STATE_BYTES`,
-    or one with fewer than two leaves to pack. A state of the same structure,
-    shapes and dtypes as one of the last few gets the same packing (set-up
-    asks for it where the state is placed and again where it is compiled)."""
-    leaves, treedef = jax.tree.flatten(state)
-    key = (
-        MAX_STATE_BYTES,
-        MAX_LEAF_BYTES,
-        treedef,
-        tuple((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)) for leaf in leaves),
-    )
-    with _lock:
-        if key in _packings:
-            return _packings[key]
-    packing: Packing | None = None
-    if sum(leaf.nbytes for leaf in leaves) <= MAX_STATE_BYTES:
-        packing = Packing(state)
-        packing = packing if packing.n_packed >= 2 else None
-    with _lock:
-        _packings[key] = packing
-        while len(_packings) > 8:
-            del _packings[next(iter(_packings))]
-    return packing
-
-
-_packings: dict[Any, Packing | None] = {}  # (the newest last)
-_lock = threading.Lock()
+    or one with fewer than two leaves to pack."""
+    if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) > MAX_STATE_BYTES:
+        return None
+    packing = Packing(state)
+    return packing if packing.n_packed >= 2 else None

@@ -149,6 +149,9 @@ class Variants:
         self.unpacked: Hashable = None
         r"""the unpacked state's signature (the programs unpack it), once
         `first` settled it."""
+        self.unpacked_shapes: Any = None
+        r"""the unpacked state's shapes, dtypes and shardings, once `first`
+        settled it (`jax.ShapeDtypeStruct`)."""
 
     def cache_key(self, *parts: Any) -> Hashable | None:
         r"""A program's cache key: the task's, the state's unpacked form, the
@@ -247,7 +250,7 @@ class Variants:
             if names is not None:
                 state, shardings = with_sums(state, shardings, names, placement)
                 packing = packing_of(state) if packing is not None else None
-            packed = self._packed(state, packing)
+            packed = self._packed(state, packing, shardings)
             compile = self._compile_first(name, packed, shardings, mode, packing)
             return packed, compile, state, shardings, packing, mode
 
@@ -277,7 +280,7 @@ class Variants:
             program = lowered()
         else:
             names = None
-        packed = self._packed(state, packing)
+        packed = self._packed(state, packing, shardings)
         cache.keep(first_key, (mode, names))
         key = self.cache_key(
             "variant", name, mode, signature(jax.tree.map(abstract, packed)), signature(shardings)
@@ -297,23 +300,21 @@ class Variants:
         on_devices = functools.partial(abstract, sharding=replicated)
         return jax.tree.map(on_devices, jax.eval_shape(packing.pack, state))
 
-    def _packed(self, state: TrainState, packing: Packing | None) -> Any:
-        r"""The state as the programs take it: packed, when it travels so, by
-        a program whose call also transfers the host's arrays
-        (`flax_loop.run.initial.placed` leaves them there)."""
+    def _packed(
+        self, state: TrainState, packing: Packing | None, shardings: TrainState | None
+    ) -> Any:
+        r"""The state as the programs take it, on the devices: packed, when it
+        travels so, by a program whose call also transfers the host's arrays
+        that a replicated state keeps there (`flax_loop.run.initial.placed`);
+        else those arrays replicated."""
         replicated = self.placement.replicated
         shapes = as_placed(state, replicated)
         self.unpacked = signature(shapes)
-        if packing is None:  # host arrays only where packing was planned: replicated
-            return jax.tree.map(
-                lambda leaf: (
-                    self.placement.replicate(leaf) if isinstance(leaf, np.ndarray) else leaf
-                ),
-                state,
-            )
-        return run_once(
-            packing.pack, replicated, state, key=("pack", self.unpacked), like=(shapes,)
-        )
+        self.unpacked_shapes = jax.tree.map(abstract, shapes)
+        if packing is not None:
+            key = ("pack", self.unpacked)
+            return run_once(packing.pack, replicated, state, key=key, like=(shapes,))
+        return state if shardings is not None else self.placement.replicate(state)
 
     def _compile_first(
         self,

@@ -35,7 +35,6 @@ from flax_loop.parallel import Placement
 from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.once import run_once
-from flax_loop.programs.packing import packing_of
 from flax_loop.programs.sharding import linen_annotations
 from flax_loop.programs.state import TrainState
 from flax_loop.random import init_key, into_collection, same_key
@@ -93,10 +92,9 @@ def placed(
     created = TrainState.create(fields, step)
     shardings = None if shardings_of is None else shardings_of(created)
     if shardings is None:
-        # a state that travels packed is placed by its packing program: the
-        # host's arrays (a file's, the counters) go with that program's call
-        packed = not placement.multiprocess and packing_of(created) is not None
-        return placement.replicate(created, keep_host=packed), None
+        # the host's arrays (a file's, the counters) stay there on one process:
+        # the packing program's call transfers them (`Variants._packed`)
+        return placement.replicate(created, keep_host=not placement.multiprocess), None
     return placement.place(created, shardings), shardings
 
 
