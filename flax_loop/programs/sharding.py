@@ -280,6 +280,8 @@ def state_shardings(
     """
     mesh, replicated = placement.mesh, placement.replicated
     declared = declared or {}
+    if is_replicated(sharding) and not any(field.rows_of_batch for field in declared.values()):
+        return jax.tree.map(lambda _: replicated, state)  # (what the rules below give it)
 
     def named(specs: Any) -> Any:
         return jax.tree.map(

@@ -59,10 +59,6 @@ class StepLayout:
     the state it starts from: the step's key and the task's carry (its
     arrays' shapes, or the function that makes them)."""
 
-    replicated: Any = None
-    r"""the sharding of every leaf, when the whole state is replicated (no
-    layout asked for, no carry's rows split with the batch); else `None`."""
-
     @property
     def sharded(self) -> bool:
         return not is_replicated(self.sharding)
@@ -70,8 +66,6 @@ class StepLayout:
     def shardings_for(self, state: TrainState) -> TrainState | None:
         r"""The state's shardings, or `None` where every leaf is replicated
         (the replicated layout, with no carry split with the batch)."""
-        if self.replicated is not None:
-            return None
         shardings = self.shardings_of(state)
         if self.sharded:
             return shardings
@@ -80,8 +74,6 @@ class StepLayout:
 
     def fields_layout(self, fields: Any) -> Any:
         r"""The shardings of the step's fields, given their shapes."""
-        if self.replicated is not None:
-            return jax.tree.map(lambda _: self.replicated, fields)
         return self.shardings_of(TrainState.create(fields, 0)).fields
 
     @classmethod
@@ -147,16 +139,7 @@ class StepLayout:
         )
         carry = getattr(task, "carry", None)
         fields_key = (program_key, identity(carry) if callable(carry) else signature(carry))
-        follows_the_batch = placement.n_shards > 1 and any(
-            field.rows_of_batch for field in step.fields.values()
-        )
-        replicated = None
-        if is_replicated(sharding) and not follows_the_batch:
-            replicated = placement.replicated
-        return cls(
-            step, sharding, annotations, shardings_of, per_device, program_key, fields_key,
-            replicated,
-        )  # fmt: skip
+        return cls(step, sharding, annotations, shardings_of, per_device, program_key, fields_key)
 
 
 def batch_rows(sample: Any) -> frozenset[int]:
