@@ -215,6 +215,43 @@ def test_a_rerun_finds_every_program_at_set_up_and_starts_no_compiling_thread():
     assert [c.step for c in again] == [c.step for c in first] == [2, 4]
 
 
+def test_a_quiet_rerun_makes_no_jitted_function_and_no_memory_plan(monkeypatch):
+    """With its programs in the cache a re-run traces nothing, so it makes
+    no `jax.jit` of the step (~0.1 ms each); quiet (`stdout=False`) on
+    devices that say no memory limit, nothing shows or checks the memory
+    plan, so it is not made. A device that says its limit still gets the
+    plan checked (tests/test_memory_plan.py)."""
+    import jax
+
+    from flax_loop.run import memory
+
+    loop = small_mlp_loops(4)
+    loop().compiled.wait()
+    jitted, plans = [], []
+    real_jit, real_plan = jax.jit, memory.plan_of
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: jitted.append(a) or real_jit(*a, **k))
+    monkeypatch.setattr(memory, "plan_of", lambda *a: plans.append(a) or real_plan(*a))
+    again = loop()
+    assert jitted == [] and plans == []
+    assert again.memory_plan()["total"] > 0  # made when asked for
+    assert [c.step for c in again] == [2, 4]
+
+
+def test_program_keys_tell_trees_of_shardings_apart():
+    """A tree of shardings is signed by its shardings (each leaf once signed
+    as a 0-d object array: every layout of a structure alike)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from flax_loop.step.keys import signature
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    split, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    assert signature({"w": split}) != signature({"w": whole})
+    assert signature({"w": split}) == signature({"w": NamedSharding(mesh, P("data"))})
+
+
 def test_a_loop_resuming_in_the_process_that_wrote_its_file_compiles_nothing(
     tmp_path, without_compilation_cache
 ):

@@ -42,7 +42,7 @@ from flax_loop.parallel import Placement
 from flax_loop.programs.compiled import CompiledSteps
 from flax_loop.programs.state import TrainState
 from flax_loop.random import as_typed_key, labels_of, train_key
-from flax_loop.run import compile_cache
+from flax_loop.run import compile_cache, memory
 from flax_loop.run.compiling import compiled_at_set_up
 from flax_loop.run.initial import (
     InitFn,
@@ -269,16 +269,18 @@ def _say_set_up(
     layout: StepLayout,
 ) -> None:
     r"""Set-up's "Model:" and "Memory:" lines; a `ConfigError` when the
-    memory plan exceeds a device's."""
-    log(
-        describe_model(params, runner.placement.n_devices, setup_seconds, trained),
-        stdout,
-        lead="Model:",
-        style="bold",
-    )
+    memory plan exceeds a device's. Neither shown nor checked (no line
+    printed here, no device that says its limit), the plan is not made."""
+    shown = stdout and is_main_process()
+    if shown:
+        model = describe_model(params, runner.placement.n_devices, setup_seconds, trained)
+        log(model, stdout, lead="Model:", style="bold")
+    devices = runner.placement.devices
+    if not shown and all(memory.device_limit(device) is None for device in devices):
+        return
     figures = runner.memory_plan()
     log(format_plan(fullest(figures)), stdout, lead="Memory:")
-    check_fits(figures, runner.placement.devices, fsdp=layout.sharding == "fsdp")
+    check_fits(figures, devices, fsdp=layout.sharding == "fsdp")
 
 
 def _intervals(

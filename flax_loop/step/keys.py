@@ -51,6 +51,8 @@ def identity(value: Any) -> Hashable:
 
 
 def _leaf(leaf: Any) -> Hashable:
+    if isinstance(leaf, jax.sharding.Sharding):  # a tree of shardings: each by value
+        return leaf
     # dtypes compare and hash as they are (their names cost a set-up ~1 ms)
     dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
     if dtype is None or shape is None:
@@ -61,6 +63,7 @@ def _leaf(leaf: Any) -> Hashable:
 
 
 def signature(tree: Any) -> Hashable:
-    r"""A tree's structure and each leaf's shape, dtype, layout and weak type."""
+    r"""A tree's structure and each leaf's shape, dtype, layout and weak
+    type; a tree of shardings' structure and its shardings."""
     leaves, treedef = jax.tree.flatten(tree)
     return (treedef, tuple(_leaf(leaf) for leaf in leaves))
