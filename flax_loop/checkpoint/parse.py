@@ -3,6 +3,7 @@ footer is checked before it is used, and every array against its checksum.
 """
 
 import errno
+import math
 import os
 import stat
 import struct
@@ -184,18 +185,19 @@ def _check_meta(path: str, meta: dict[str, Any]) -> None:
 
 
 def _check_depth(path: str, footer: Any) -> None:
-    r"""Rejects a footer nested deeper than `MAX_DEPTH`, without recursion."""
+    r"""Rejects a footer nested deeper than `MAX_DEPTH`, without recursion:
+    a map or list at depth `MAX_DEPTH` holds nothing (its values would lie
+    deeper). Only maps and lists are visited (a footer's values are mostly
+    numbers and names)."""
     stack = [(footer, 0)]
     while stack:
         value, depth = stack.pop()
-        if depth > MAX_DEPTH:
+        children = value.values() if isinstance(value, dict) else value
+        if children and depth >= MAX_DEPTH:
             raise CheckpointCorruptError(
                 f"{path} is damaged: its metadata nests deeper than {MAX_DEPTH} levels."
             )
-        if isinstance(value, dict):
-            stack.extend((child, depth + 1) for child in value.values())
-        elif isinstance(value, list):
-            stack.extend((child, depth + 1) for child in value)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _unpack_footer(path: str, data: bytes) -> dict[str, Any]:
@@ -246,7 +248,7 @@ def _read_array(
         raise CheckpointCorruptError(
             f"{path} is damaged: array {index} has an invalid description {entry!r}."
         )
-    expected = dtype.itemsize * int(np.prod(shape, dtype=object))
+    expected = dtype.itemsize * math.prod(shape)  # Python's ints: no overflow
     if nbytes != expected or offset < HEAD.size or offset + nbytes > data_end:
         raise CheckpointCorruptError(
             f"{path} is damaged: array {index} ({dtype} {tuple(shape)}) claims "
