@@ -15,7 +15,10 @@ from flax_loop.programs.cache import identity, signature
 
 
 def abstract(leaf: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    r"""`leaf`'s shape and dtype, with `sharding` (by default its own)."""
+    r"""`leaf`'s shape and dtype, with `sharding` (by default its own); an
+    abstract leaf of that sharding as it is."""
+    if isinstance(leaf, jax.ShapeDtypeStruct) and (sharding is None or sharding == leaf.sharding):
+        return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding or leaf.sharding)
 
 
@@ -37,12 +40,14 @@ def run_once(
     *args: Any,
     key: Hashable | None = None,
     like: tuple[Any, ...] | None = None,
+    signed: Hashable | None = None,
 ) -> Any:
     r"""`jax.jit(fn, out_shardings=out_shardings)(*args)` for a program run
     once (an initialization), compiled with `run_once_options()`; with a
     `key` (what determines `fn`: `flax_loop.programs.cache`), compiled once a
     process for the arguments' shapes, or for those of `like` (the
-    arguments as placed: `as_placed`)."""
+    arguments as placed: `as_placed`); `signed`, their signature when
+    known."""
     shapes = args if like is None else like
 
     def compile() -> Any:
@@ -50,7 +55,8 @@ def run_once(
         return lowered.compile(compiler_options=run_once_options())
 
     if key is not None:
-        key = ("run once", key, signature(shapes), identity(out_shardings))
+        signed = signature(shapes) if signed is None else signed
+        key = ("run once", key, signed, identity(out_shardings))
     return cache.compiled(key, compile)(*args)
 
 

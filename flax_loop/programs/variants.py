@@ -241,7 +241,9 @@ class Variants:
         placement = self.placement
         mode = "global" if shardings is not None or placement.n_devices > 1 else "jit"
         placed = as_placed(state, placement.replicated)
-        first_key = self.cache_key("first", name, signature(placed), signature(shardings))
+        placed_signature = signature(placed)
+        signed: tuple[Any, Hashable] | None = (placed, placed_signature)
+        first_key = self.cache_key("first", name, placed_signature, signature(shardings))
         known = cache.found(first_key)
         if known is not None:
             mode, names = known
@@ -250,7 +252,8 @@ class Variants:
             if names is not None:
                 state, shardings = with_sums(state, shardings, names, placement)
                 packing = packing_of(state) if packing is not None else None
-            packed = self._packed(state, packing, shardings)
+                signed = None  # another state
+            packed = self._packed(state, packing, shardings, signed)
             compile = self._compile_first(name, packed, shardings, mode, packing)
             return packed, compile, state, shardings, packing, mode
 
@@ -278,9 +281,10 @@ class Variants:
             if packing is not None:
                 packing = packing_of(state)
             program = lowered()
+            signed = None  # another state
         else:
             names = None
-        packed = self._packed(state, packing, shardings)
+        packed = self._packed(state, packing, shardings, signed)
         cache.keep(first_key, (mode, names))
         key = self.cache_key(
             "variant", name, mode, signature(jax.tree.map(abstract, packed)), signature(shardings)
@@ -301,19 +305,28 @@ class Variants:
         return jax.tree.map(on_devices, jax.eval_shape(packing.pack, state))
 
     def _packed(
-        self, state: TrainState, packing: Packing | None, shardings: TrainState | None
+        self,
+        state: TrainState,
+        packing: Packing | None,
+        shardings: TrainState | None,
+        signed: tuple[Any, Hashable] | None = None,
     ) -> Any:
         r"""The state as the programs take it, on the devices: packed, when it
         travels so, by a program whose call also transfers the host's arrays
         that a replicated state keeps there (`flax_loop.run.initial.placed`);
-        else those arrays replicated."""
+        else those arrays replicated. `signed`: `as_placed(state)` and its
+        signature, when known."""
         replicated = self.placement.replicated
-        shapes = as_placed(state, replicated)
-        self.unpacked = signature(shapes)
+        if signed is None:
+            shapes = as_placed(state, replicated)
+            signed = (shapes, signature(shapes))
+        shapes, self.unpacked = signed
         self.unpacked_shapes = jax.tree.map(abstract, shapes)
         if packing is not None:
             key = ("pack", self.unpacked)
-            return run_once(packing.pack, replicated, state, key=key, like=(shapes,))
+            return run_once(
+                packing.pack, replicated, state, key=key, like=(shapes,), signed=self.unpacked
+            )
         return state if shardings is not None else self.placement.replicate(state)
 
     def _compile_first(
