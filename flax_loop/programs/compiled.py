@@ -25,7 +25,7 @@ from flax_loop.programs import cache
 from flax_loop.programs.cache import identity, signature
 from flax_loop.programs.lowering import lower_update
 from flax_loop.programs.once import abstract
-from flax_loop.programs.packing import packing_of
+from flax_loop.programs.packing import Packing, packing_of
 from flax_loop.programs.state import TrainState
 from flax_loop.programs.statistics import Update
 from flax_loop.programs.variants import (
@@ -185,22 +185,13 @@ class CompiledSteps:
                     )
             if plan.closing_steps:
                 self._closing_groups[plan.closing_steps] = self.programs[MANY_LAST]
-            grads = self.grads_like(self._unpacked.model_params)
             replicated = placement.replicated
-            closing_layout = (replicated if shardings is None else shardings, replicated)
-            packing, shapes = self.packing, self._abstract
-            key = self._variants.cache_key(
-                "close",
-                self._variants.signature_of(shapes),
-                signature(grads),
-                identity(closing_layout),
+            layout = (replicated if shardings is None else shardings, replicated)
+            params = self._unpacked.model_params
+            close = _close(
+                self._variants, self.grads_like, params, self.packing, self._abstract, layout
             )
-            self._close_interval = Compiling(
-                lambda: cache.compiled(
-                    key, lambda: compile_close(packing, closing_layout, shapes, grads)
-                ),
-                waited=self._waited,
-            )
+            self._close_interval = Compiling(close, waited=self._waited)
             # every checkpoint copies the state
             copy = functools.partial(self._compile_copy, placement)
             self._copy = Compiling(copy, waited=self._waited) if defer else background.program(copy)
@@ -287,6 +278,27 @@ class CompiledSteps:
         the stream's end, a shorter last batch): `-> (state with its
         interval sums reset, statistics)`, compiled when first needed."""
         return self._close_interval(state, grads)
+
+
+def _close(
+    variants: Variants,
+    grads_like: Callable[[Any], Any],
+    params: Any,
+    packing: Packing | None,
+    shapes: Any,
+    layout: Any,
+) -> Callable[[], Any]:
+    r"""The interval's separate close (`compile_close`), keyed when first
+    called: only an interval a stop or the data's end cuts short needs it."""
+
+    def close() -> Any:
+        grads = grads_like(params)
+        key = variants.cache_key(
+            "close", variants.signature_of(shapes), signature(grads), identity(layout)
+        )
+        return cache.compiled(key, lambda: compile_close(packing, layout, shapes, grads))
+
+    return close
 
 
 class _Background:

@@ -142,8 +142,9 @@ def initial_state(
         return params, model_state, _init_optimizer(optimizer, params)
 
     key = _init_key(init, init_labels, mutable_collections, program_key)
+    signed = None if key is None else signature((rnkey, *inputs))
     core = cache.compiled(  # a re-run traces nothing: the shapes are known
-        None if key is None else ("init shapes", key, signature((rnkey, *inputs))),
+        None if key is None else ("init shapes", key, signed),
         lambda: _guarded(lambda: jax.eval_shape(start, rnkey, *inputs), init, inputs, init_labels),
     )
     shapes, shardings = _laid_out(dict(zip(CORE, core)), step, layout, fields_key)
@@ -172,7 +173,10 @@ def initial_state(
             _check_optimizer_order(restored, optimizer)
             return with_task_hyperparams(restored, optimizer, keep_hyperparams)
     params, model_state, optimizer_state = _guarded(
-        lambda: run_once(start, place, rnkey, *inputs, key=key), init, inputs, init_labels
+        lambda: run_once(start, place, rnkey, *inputs, key=key, signed=signed),
+        init,
+        inputs,
+        init_labels,
     )
     return CheckpointFile(params, model_state, optimizer_state, step=0)
 
