@@ -156,6 +156,15 @@ class CheckpointFileReader:
         return None if file is None else restore_into(file, template)
 
 
+def _alike(model: Any, stored: Any) -> bool:
+    r"""Whether two leaves have the same shape and dtype, which `_describe`
+    would say alike (a quick check before describing them)."""
+    shape, dtype = getattr(model, "shape", None), getattr(model, "dtype", None)
+    if shape is None or dtype is None or not isinstance(stored, np.ndarray):
+        return False
+    return tuple(shape) == stored.shape and dtype == stored.dtype
+
+
 def _describe(leaf: Any) -> str:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
@@ -226,15 +235,13 @@ def restore_into(file: CheckpointFile, template: CheckpointFile) -> CheckpointFi
                 f"{path} is damaged: it holds a {type(leaf).__name__} ({leaf!r:.40}) at "
                 f"{name}, where an array belongs."
             )
-    described = {
-        name: (_describe(want.get(name, _ABSENT)), _describe(have.get(name, _ABSENT)))
-        for name in sorted(set(want) | set(have))
-    }
-    differences = [
-        f"{name}: model {model}, file {stored}"
-        for name, (model, stored) in described.items()
-        if model != stored
-    ]
+    differences = []
+    for name in sorted(set(want) | set(have)):
+        model, kept = want.get(name, _ABSENT), have.get(name, _ABSENT)
+        if not _alike(model, kept):
+            described = _describe(model), _describe(kept)
+            if described[0] != described[1]:
+                differences.append(f"{name}: model {described[0]}, file {described[1]}")
     if differences:
         shown = "; ".join(differences[:12])
         more = f"; and {len(differences) - 12} more" if len(differences) > 12 else ""
