@@ -216,8 +216,14 @@ def test_a_guide_runs_as_written(guide, tmp_path, monkeypatch, capsys, request):
     monkeypatch.chdir(tmp_path)
     set_console(Console(file=io.StringIO()))
     namespace = {"__name__": "guide"}
-    for index, block in enumerate(blocks):
-        exec(compile(block, f"{guide}, block {index + 1}", "exec"), namespace)
+    environment = dict(os.environ)  # what a guide sets (WANDB_MODE) ends with it
+    try:
+        for index, block in enumerate(blocks):
+            exec(compile(block, f"{guide}, block {index + 1}", "exec"), namespace)
+    finally:
+        for name in set(os.environ) - set(environment):
+            del os.environ[name]
+        os.environ.update(environment)
     assert "Traceback" not in capsys.readouterr().out
 
 

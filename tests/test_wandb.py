@@ -70,8 +70,10 @@ def test_a_run_holds_the_config_and_the_metrics_at_their_steps(tmp_path, monkeyp
         if kind == "history":
             rows.append({name(item): json.loads(item.value_json) for item in record.history.item})
         elif kind == "run":
-            config = {u.key: json.loads(u.value_json) for u in record.run.config.update}
+            config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
             assert record.run.project == "digits" and record.run.display_name == "mlp"
+        elif kind == "config":  # W&B may send the config after the run's record
+            config.update({u.key: json.loads(u.value_json) for u in record.config.update})
         elif kind == "summary":
             summary.update({name(u): json.loads(u.value_json) for u in record.summary.update})
     assert config["learning_rate"] == 1e-2
