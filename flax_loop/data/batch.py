@@ -13,7 +13,7 @@ become numpy arrays (JAX arrays are kept as they are), with 64-bit types
 narrowed as JAX narrows them unless `jax_enable_x64` is set.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +235,7 @@ class BatchSpec:
         """
         shapes = list(self.shapes)
         if self.targets or len({shape[:1] for shape in shapes}) == 1:
-            leading_size(shapes, n_shards=n_shards, step=step, described=self.describe())
+            leading_size(shapes, n_shards=n_shards, step=step, describe=self.describe)
             return
         at = "" if step is None else f" at step {step}"
         for index, shape in enumerate(shapes):
@@ -339,7 +339,7 @@ def leading_size(
     shapes: list[tuple[int, ...]],
     n_shards: int | None = None,
     step: int | None = None,
-    described: str | None = None,
+    describe: Callable[[], str] | None = None,
 ) -> int:
     r"""The leading (batch) axis shared by arrays of these shapes.
 
@@ -352,28 +352,34 @@ def leading_size(
         shapes: the shapes of a batch's arrays.
         n_shards: if given, the batch must split evenly into this many shards.
         step: the step the batch is for, to name in a message.
-        described: the batch as a message shows it (its shapes by default).
+        describe: the batch as a message shows it, made when one is raised
+            (its shapes by default).
 
     Raises:
         BatchError: if an array is a scalar, leading axes differ, or the
             batch does not split into `n_shards`.
     """
     at = "" if step is None else f" at step {step}"
-    described = described or f"shapes {[tuple(shape) for shape in shapes]}"
+
+    def described() -> str:
+        return describe() if describe else f"shapes {[tuple(shape) for shape in shapes]}"
+
     if any(len(shape) == 0 for shape in shapes):
         raise BatchError(
-            f"A batch{at} holds a scalar; every array needs a leading batch axis. Got {described}."
+            f"A batch{at} holds a scalar; every array needs a leading batch axis. "
+            f"Got {described()}."
         )
     sizes = sorted({shape[0] for shape in shapes})
     if len(sizes) != 1:
         raise BatchError(
-            f"The arrays of a batch{at} have different leading (batch) sizes {sizes}: {described}."
+            f"The arrays of a batch{at} have different leading (batch) sizes {sizes}: "
+            f"{described()}."
         )
     size = sizes[0]
     if n_shards is not None and (size == 0 or size % n_shards):
         raise BatchError(
             f"A batch{at} of size {size} does not split evenly across {n_shards} "
-            f"devices ({described}); use a batch size that is a positive multiple "
+            f"devices ({described()}); use a batch size that is a positive multiple "
             f"of {n_shards}."
         )
     return int(size)
