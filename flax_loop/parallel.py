@@ -136,7 +136,7 @@ class Placement:
             return _put(tree, shardings, keep_host)
 
         def place(leaf: Any, sharding: NamedSharding) -> jax.Array:
-            if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+            if _in_place(leaf, sharding):
                 return leaf
             if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
                 data = place(jax.random.key_data(leaf), sharding)
@@ -277,20 +277,10 @@ def _put(tree: Any, shardings: Any, keep_host: bool = False) -> Any:
     `keep_host`, numpy arrays left as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
-
-    def in_place(leaf: Any, sharding: Any) -> bool:
-        if keep_host and isinstance(leaf, np.ndarray):
-            return True
-        return (
-            isinstance(leaf, jax.Array)
-            and getattr(leaf, "committed", False)
-            and leaf.sharding == sharding
-        )
-
     moved = [
         index
         for index, (leaf, sharding) in enumerate(zip(leaves, targets))
-        if not in_place(leaf, sharding)
+        if not (keep_host and isinstance(leaf, np.ndarray)) and not _in_place(leaf, sharding)
     ]
     if moved:
         put = jax.device_put(
@@ -299,3 +289,13 @@ def _put(tree: Any, shardings: Any, keep_host: bool = False) -> Any:
         for index, leaf in zip(moved, put):
             leaves[index] = leaf
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _in_place(leaf: Any, sharding: Any) -> bool:
+    r"""Whether `leaf` is a device array committed to `sharding` (placing it
+    there again would return it as it is)."""
+    return (
+        isinstance(leaf, jax.Array)
+        and getattr(leaf, "committed", False)
+        and leaf.sharding == sharding
+    )
