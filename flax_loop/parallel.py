@@ -184,13 +184,18 @@ class Placement:
 
         Numpy leaves stay as they are (the step's call copies them to the
         devices, the cheapest way); JAX arrays that live elsewhere (say,
-        committed to one device) are moved onto the batch's devices.
+        committed to one device of several) are moved onto the batch's
+        devices. An array already laid out as the batch is (on one device,
+        `jax.device_put(x, device)` is) stays as it is: a copy of it every
+        step would cost the reading thread more than a small step.
         """
 
         def place(leaf: Any) -> Any:
             if isinstance(leaf, jax.Array):
                 wanted = self.batch_shardings(leaf)
-                if leaf.sharding != wanted:
+                if leaf.sharding != wanted and not leaf.sharding.is_equivalent_to(
+                    wanted, leaf.ndim
+                ):
                     return jax.device_put(leaf, wanted)
             return leaf
 

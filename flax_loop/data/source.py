@@ -179,6 +179,8 @@ class CheckedBatches:
         r"""the first batch's spec, once accepted (`accept_first`)."""
         self._size = 0
         self._plain: tuple[Any, ...] | None = None  # the spec of a plain (x, y)
+        # a plain (x, y) of device arrays: their layouts, as the step takes them
+        self._plain_placed: tuple[Any, Any] | None = None
         # a batch of any structure (`BatchTree`): its structure and leaves' spec
         self._leaves: tuple[Any, tuple[Any, ...]] | None = None
         self._noted_drop = False
@@ -213,6 +215,9 @@ class CheckedBatches:
         self._size = self.spec.shapes[0][0]  # the first leaf's: a shorter batch's is less
         if len(self.spec.inputs) == len(self.spec.targets) == 1:
             self._plain = (*self.spec.inputs[0], *self.spec.targets[0])
+            (x,), (y,) = first
+            if isinstance(x, jax.Array) and isinstance(y, jax.Array) and not placement.multiprocess:
+                self._plain_placed = (x.sharding, y.sharding)
         tree = getattr(self._normalize, "treedef", None)
         if tree is not None and not self.spec.targets:
             self._leaves = (tree, self.spec.inputs)
@@ -260,6 +265,19 @@ class CheckedBatches:
                 and y.shape == y_shape
                 and x.dtype == x_dtype
                 and y.dtype == y_dtype
+            ):
+                return (x,), (y,)
+            placed = self._plain_placed
+            if (  # device arrays laid out as the first batch's (`Placement.feed_batch`)
+                placed is not None
+                and isinstance(x, jax.Array)
+                and isinstance(y, jax.Array)
+                and x.shape == x_shape
+                and y.shape == y_shape
+                and x.dtype == x_dtype
+                and y.dtype == y_dtype
+                and x.sharding == placed[0]
+                and y.sharding == placed[1]
             ):
                 return (x,), (y,)
         leaves_spec = self._leaves
