@@ -109,7 +109,7 @@ def child(variant, workload):
 
 
 def run_child(variant, workload, cache=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {"JAX_PLATFORMS": "cpu", **os.environ}  # a CPU unless told (benchmarks/on_device.sh)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     # cold: no persistent cache (a TrainLoop turns one on by default)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false" if cache is None else "true"

@@ -50,7 +50,10 @@ os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-assert len(jax.devices()) == 4, jax.devices()
+# JAX_PLATFORMS set to an accelerator runs the tests written for any device
+# there (benchmarks/on_device.sh: tests/test_accelerator.py)
+if jax.default_backend() == "cpu":
+    assert len(jax.devices()) == 4, jax.devices()
 
 
 @pytest.fixture
