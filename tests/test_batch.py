@@ -251,12 +251,20 @@ def test_a_batch_already_laid_out_as_the_step_takes_it_is_not_copied():
     (moved,) = four.feed_batch((committed,))
     assert moved.sharding == four.batch_sharding
     np.testing.assert_array_equal(np.asarray(moved), x)
+    # split over the four along the first axis by a mesh of the caller's own
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("rows",))
+    split = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows")))
+    assert four.feed_batch((split,))[0] is split
 
 
-@pytest.mark.parametrize("n_devices", [1, 4])
-def test_batches_on_a_device_train_as_numpy_batches_do(n_devices):
+@pytest.mark.parametrize("n_devices, laid_out", [(1, "one"), (4, "one"), (4, "split")])
+def test_batches_on_a_device_train_as_numpy_batches_do(n_devices, laid_out):
     host = list(itertools.islice(batches(X_TRAIN, Y_TRAIN, 32), 4))
-    on_device = jax.device_put(host, jax.devices()[0])
+    where = jax.devices()[0]
+    if laid_out == "split":  # over the loop's devices by a mesh of the caller's own
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n_devices]), ("rows",))
+        where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    on_device = jax.device_put(host, where)
     final = [
         list(digits_loop(data=data, n_devices=n_devices, n_steps=8, n_steps_per_checkpoint=4))
         for data in (host, on_device)
