@@ -1,10 +1,22 @@
 """XLA flags for worker processes; imports no JAX, so workers set them first."""
 
+import importlib.metadata
 import os
 
 SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
 r"""One codegen module instead of parallel splits: less work on two cores
 shared by two test workers (a compile setting, not an optimization level)."""
+
+
+def _has_elemental_emitters() -> bool:
+    r"""Whether XLA's CPU backend still has its older elemental emitters (a
+    jaxlib before 0.11; a newer one aborts on the flag that chooses them)."""
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(part) for part in version.split(".")[:2]) < (0, 11)
+
 
 QUICK_COMPILE = (
     # LLVM's optimization passes: most of a small program's compilation
@@ -12,7 +24,7 @@ QUICK_COMPILE = (
     # the older elemental emitters compile small fusions faster than the
     # fusion emitters; with one codegen split, about half the backend
     # compile time of a small TrainLoop
-    "--xla_cpu_use_fusion_emitters=false",
+    *(["--xla_cpu_use_fusion_emitters=false"] if _has_elemental_emitters() else []),
     SERIAL_CODEGEN,
 )
 r"""XLA flags the default suite compiles with, for speed."""

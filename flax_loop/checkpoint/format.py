@@ -107,7 +107,7 @@ def write(stream: BinaryIO, tree: Any, meta: dict[str, Any]) -> None:
     def store(leaf: Any) -> msgpack.ExtType:
         nonlocal offset
         array = _host_leaf(leaf)
-        view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        view = array.reshape(-1).view(np.uint8).data
         for start in range(0, len(view), CHUNK):
             chunk = view[start : start + CHUNK]
             checksums.add(chunk)

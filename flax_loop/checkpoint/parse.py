@@ -256,7 +256,7 @@ def _read_array(
         )
     array = np.empty(shape, dtype)
     stream.seek(offset)
-    view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    view = array.reshape(-1).view(np.uint8).data
     for start in range(0, nbytes, CHUNK):
         chunk = view[start : start + CHUNK]
         if stream.readinto(chunk) != len(chunk):  # type: ignore[attr-defined]
