@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from harness import MLP, cross_entropy, write_results  # noqa: E402
+from harness import MLP, cross_entropy, hand_written_step, write_results  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
 from flax_loop.programs import cache  # noqa: E402
@@ -57,17 +57,8 @@ def mlp():
 
     def hand():
         params = model.init(jax.random.key(0), x)["params"]
-
-        def step(params, opt_state, x, y):
-            def loss(params):
-                return cross_entropy(model.apply({"params": params}, x), y)
-
-            value, grads = jax.value_and_grad(loss)(params)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
         state = (params, optimizer.init(params))
-        return jax.jit(step, donate_argnums=(0, 1)), (*state, x, y)
+        return hand_written_step(model, optimizer, cross_entropy), (*state, x, y)
 
     def loop(init=None):
         task = TrainTask(model.apply, optimizer, cross_entropy, [(x, y)] * 4)

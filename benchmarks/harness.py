@@ -22,6 +22,23 @@ def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+def hand_written_step(model, optimizer, loss):
+    """`jax.jit` of the plain step a user writes: `loss(model.apply(...), y)`'s
+    value and gradients, the optimizer's update; the state donated. A new
+    function each call (JAX's caches do not know it)."""
+    import jax
+
+    def step(params, opt_state, x, y):
+        def objective(params):
+            return loss(model.apply({"params": params}, x), y)
+
+        value, grads = jax.value_and_grad(objective)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
 def write_results(path, results):
     """`results` as JSON at `path` (its folder made), and a line saying so."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -34,7 +34,6 @@ listed: the script then prints FLOP/s alone.
 """
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -49,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from harness import write_results  # noqa: E402
+from harness import hand_written_step, write_results  # noqa: E402
 
 from flax_loop import TrainLoop, TrainTask  # noqa: E402
 from flax_loop.run.throughput import device_peak  # noqa: E402
@@ -145,15 +144,7 @@ def hand_written(model, optimizer, batches, device):
     params = model.init(jax.random.key(0), x)["params"]
     state = jax.device_put((params, optimizer.init(params)), device)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, x, y):
-        def objective(params):
-            return cross_entropy(model.apply({"params": params}, x), y)
-
-        loss, grads = jax.value_and_grad(objective)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = hand_written_step(model, optimizer, cross_entropy)
     compiled = step.lower(*state, *batches[0]).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
