@@ -36,7 +36,9 @@ print(jax.devices())
 for device in jax.devices():
     print(device.device_kind, (device.memory_stats() or {}).get("bytes_limit"))
 PY
-timeout 240 $python -m pytest -q -p no:cacheprovider -n 0 \
+# float32 products in float32 (a GPU's default for them is TensorFloat-32): the
+# tests compare the loop with a hand-written step to 1e-4
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 $python -m pytest -q -p no:cacheprovider -n 0 \
     tests/test_accelerator.py 2>&1 | tee "$out/tests.txt"
 timeout 240 $python benchmarks/mfu.py --rounds 3 --json "$out/mfu.json" 2>&1 | tee "$out/mfu.txt"
 timeout 120 $python benchmarks/startup.py --only mlp --rounds 3 --json "$out/startup.json" \
