@@ -252,32 +252,29 @@ class CheckedBatches:
                 f"flax_loop: raised by task.data while reading the batch for step {for_step}"
             )
             raise
-        # The common case, a plain (x, y) of numpy arrays of exactly the first
-        # batch's spec, costs a few attribute reads.
+        # The common case, a plain (x, y) of exactly the first batch's spec
+        # (numpy arrays, or device arrays laid out as the first batch's:
+        # `Placement.feed_batch`), costs a few attribute reads.
         plain = self._plain
         if plain is not None and type(raw) in (tuple, list) and len(raw) == 2:
             x, y = raw
             x_shape, x_dtype, y_shape, y_dtype = plain
-            if (
-                type(x) is np.ndarray
-                and type(y) is np.ndarray
-                and x.shape == x_shape
-                and y.shape == y_shape
-                and x.dtype == x_dtype
-                and y.dtype == y_dtype
-            ):
-                return (x,), (y,)
             placed = self._plain_placed
-            if (  # device arrays laid out as the first batch's (`Placement.feed_batch`)
-                placed is not None
-                and isinstance(x, jax.Array)
-                and isinstance(y, jax.Array)
+            if (
+                (
+                    (type(x) is np.ndarray and type(y) is np.ndarray)
+                    or (
+                        placed is not None
+                        and isinstance(x, jax.Array)
+                        and isinstance(y, jax.Array)
+                        and x.sharding == placed[0]
+                        and y.sharding == placed[1]
+                    )
+                )
                 and x.shape == x_shape
                 and y.shape == y_shape
                 and x.dtype == x_dtype
                 and y.dtype == y_dtype
-                and x.sharding == placed[0]
-                and y.sharding == placed[1]
             ):
                 return (x,), (y,)
         leaves_spec = self._leaves
