@@ -6,6 +6,7 @@ run's own file."""
 import glob
 import json
 import os
+import time
 
 import jax
 import pytest
@@ -38,6 +39,22 @@ def records(path):
             pending = b""
 
 
+def finished_records(directory):
+    """The records of the one run under `directory` once W&B has written
+    them all: `run.finish()` can return before W&B's service has flushed
+    the run's log (the file still only its 7-byte header after 3 of 20
+    finishes, whole a millisecond later), so this waits, 30 s at most, for
+    the record that ends a run ("exit")."""
+    (path,) = glob.glob(os.path.join(directory, "wandb", "offline-run-*", "*.wandb"))
+    deadline = time.monotonic() + 30
+    while True:
+        found = list(records(path))
+        if any(record.WhichOneof("record_type") == "exit" for record in found):
+            return found
+        assert time.monotonic() < deadline, f"{path} holds no exit record after 30 s"
+        time.sleep(0.01)
+
+
 def name(item):
     """An item's key (W&B writes a key holding "/" as its parts)."""
     return item.key or "/".join(item.nested_key)
@@ -63,9 +80,8 @@ def test_a_run_holds_the_config_and_the_metrics_at_their_steps(tmp_path, monkeyp
             summary = write(evaluate(checkpoint))
             losses.append(checkpoint.mean_loss)
             accuracies.append(summary.metrics["eval"]["accuracy"])
-    (path,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "*.wandb"))
     rows, config, summary = [], {}, {}
-    for record in records(path):
+    for record in finished_records(tmp_path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             rows.append({name(item): json.loads(item.value_json) for item in record.history.item})
