@@ -4,7 +4,8 @@ trainable subsets, several optimizers, frozen models, sown values.
 Each program is a small port of a published kind (a DCGAN, a DDPM, the Flax
 NNX LoRA guide, knowledge distillation, a mixture of experts' load-balancing
 loss) and is compared with the same algorithm written by hand in plain JAX
-on the same data: bit for bit on one device, to float tolerance on four.
+on the same data: bit for bit on one device (the DCGAN, two programs XLA
+0.12 rounds apart, to 1e-6), to float tolerance on four.
 The hand-written steps derive their keys as the loop documents it:
 `fold_in(run key, 1)` for training, then the step, then the device; the
 model's RNG collections fold in their index, `rng` folds in 2**31 - 1, a
@@ -362,9 +363,17 @@ def gan_straight():
     return run(gan_loop(20, n_steps_per_checkpoint=10))
 
 
-def test_a_dcgan_alternating_two_optimizers_equals_the_hand_written_step_bitwise(gan_straight):
+def test_a_dcgan_alternating_two_optimizers_equals_the_hand_written_step(gan_straight):
     last = gan_straight
-    same(last.model_params, hand_written_gan(20))
+    # The same bits on JAX 0.10 and 0.11; XLA 0.12 rounds one of the two
+    # programs otherwise (one bias value 1 ulp apart after 20 steps, 6e-8
+    # at most at other cadences). The generator's loss taken against the
+    # discriminator before its update instead ends 2e-2 away.
+    jax.tree.map(
+        lambda ours, theirs: np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6),
+        jax.device_get(last.model_params),
+        jax.device_get(hand_written_gan(20)),
+    )
     assert sorted(last.optimizer_state) == ["discriminator", "generator"]
     # each optimizer's state holds moments of its own part only
     d_mu = last.optimizer_state["discriminator"][0].mu
