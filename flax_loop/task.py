@@ -95,8 +95,8 @@ class TrainTask:
     Sown values reach the loss: linen's `self.sow("intermediates", ...)`
     (or any collection the variables lack) fills `model.sown` after a call
     (`model.sown["intermediates"]`); for NNX, call the module through
-    `nnx.capture(model, nnx.Intermediate)(x)` (or read what `self.sow`
-    stored on it). Sown values are never carried from step to step.
+    `nnx.capture(model, nnx.Intermediate)(x)`, which returns them. Sown
+    values are never carried from step to step.
 
     A dict by name, with `optimizer` a dict of the same names: each step
     runs them in the dict's order, each differentiated with respect to its

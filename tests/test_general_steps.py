@@ -694,15 +694,16 @@ class SowingTeacher(Teacher):
 
 
 def test_a_frozen_teacher_that_sows_its_features_feeds_the_loss():
-    """The teacher's sown features reach the loss (nnx.state of the module
-    the loss looked up), as the distillation notebook reads them."""
+    """The teacher's sown features reach the loss: the loss calls the
+    module it looked up through `nnx.capture`, as TrainTask's documentation
+    says (Flax deprecates reading what `sow` stored outside a capture)."""
     teacher, student = SowingTeacher(nnx.Rngs(1)), Student(nnx.Rngs(2))
 
     def feature_matching(model, batch, *, rng, step, frozen):
         x, y = batch
         teacher_model = frozen["teacher"]
-        teacher_model(x)
-        (features,) = nnx.state(teacher_model, nnx.Intermediate)["features"].value
+        _, sown = nnx.capture(teacher_model, nnx.Intermediate)(x)
+        (features,) = sown["features"].get_value()
         return cross_entropy(model(features), y)
 
     loop = TrainLoop(

@@ -588,13 +588,13 @@ def test_an_nnx_variable_written_in_your_own_step_carries_over_and_a_parameter_i
     def counting(state, batch, *, rng, step):
         x, y = batch
         model = state.model()
-        model.seen.value = model.seen.value + 1
+        model.seen[...] = model.seen[...] + 1
         grads = jax.grad(lambda p: ((state.model(p)(x) - y) ** 2).mean())(state.params)
         return state.apply_gradients(grads), {"loss": jnp.float32(0)}
 
     def assigning(state, batch, *, rng, step):
         model = state.model()
-        model.linear.bias.value = model.linear.bias.value + 1
+        model.linear.bias[...] = model.linear.bias[...] + 1
         return state, {"loss": jnp.float32(0)}
 
     module = Counting()

@@ -54,7 +54,7 @@ def test_the_nnx_tutorial_loop_and_flax_loop_train_the_same_bits():
 
     for batch in batches[:n_steps]:
         train_step(model, optimizer, metrics, batch)
-    by_hand = nnx.state(model, nnx.Param).to_pure_dict()
+    by_hand = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tutorial_metrics = metrics.compute()
 
     # the port: the guide's loss (metrics by name), the same model and optimizer

@@ -141,7 +141,7 @@ def test_nnx_models_by_name_and_your_own_step():
     generator = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     critic = Critic(nnx.Rngs(1))
     models = {"generator": generator, "critic": critic}
-    start = nnx.state(nnx.Dict(**models), nnx.Param).to_pure_dict()
+    start = nnx.to_pure_dict(nnx.state(nnx.Dict(**models), nnx.Param))
 
     def update(state, batch, *, rng, step):
         def critic_of(params):
@@ -187,7 +187,7 @@ def test_nnx_models_by_name_and_your_own_step():
     assert not np.allclose(params["generator"]["kernel"], start["generator"]["kernel"])
     assert int(checkpoint.optimizer_state["critic"][0].count) == 6
     # and the modules given are never changed
-    assert_same(nnx.state(nnx.Dict(**models), nnx.Param).to_pure_dict(), start)
+    assert_same(nnx.to_pure_dict(nnx.state(nnx.Dict(**models), nnx.Param)), start)
 
 
 def test_the_mistakes_of_several_models_are_named():
