@@ -180,6 +180,8 @@ class CheckedBatches:
         self._size = 0
         self._plain: tuple[Any, ...] | None = None  # the spec of a plain (x, y)
         # a plain (x, y) of device arrays: their layouts, as the step takes them
+        # (the first batch as `read` returned it, through `Placement.feed_batch`:
+        # a later batch in the same layout needs no placing)
         self._plain_placed: tuple[Any, Any] | None = None
         # a batch of any structure (`BatchTree`): its structure and leaves' spec
         self._leaves: tuple[Any, tuple[Any, ...]] | None = None
