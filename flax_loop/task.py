@@ -59,7 +59,10 @@ class TrainTask:
     `nnx.Module`, called as `model(*inputs)` in training mode."""
 
     optimizer: optax.GradientTransformation
-    r"""an optax optimizer."""
+    r"""an optax optimizer. One that reads more than the gradients gets
+    optax's extra arguments: the step's loss as `value`, its gradient as
+    `grad`, the loss as a function of the parameters as `value_fn`
+    (`optax.contrib.reduce_on_plateau`, `optax.polyak_sgd`, `optax.lbfgs`)."""
 
     loss: Callable[..., Any] | None = None
     r"""a loss function, called as `loss(*outputs, *targets)`; returns a
@@ -148,9 +151,10 @@ class TrainTask:
     `opt_state` (a dict by name when `optimizer` is a dict) and `carry`;
     `state.model(params)` is the model bound to `params`, as `compute_loss`
     gets it, to call and differentiate through; `state.apply_gradients(
-    grads, name=None)` applies the named optimizer to its `trainable`
-    parameters (the gradients of the whole batch), as often as the step
-    needs (in Python loops, `lax.scan`, `fori_loop`); `state.replace(...)`
+    grads, name=None, **extra_args)` applies the named optimizer to its
+    `trainable` parameters (the gradients of the whole batch; `value=loss`
+    and optax's other extra arguments for an optimizer that reads them), as
+    often as the step needs (in Python loops, `lax.scan`, `fori_loop`); `state.replace(...)`
     changes the rest. `batch` is the stream's whole batch as it gave it,
     `rng` a key of this step (the same on any number of devices), `step`
     the number of updates done before this one (0 at the first), as optax's `count` and Flax's

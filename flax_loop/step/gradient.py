@@ -34,6 +34,7 @@ the model is bound with them all
 ((), ['bias', 'kernel'])
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,10 +46,12 @@ from flax_loop.data.batch import Batch
 from flax_loop.errors import ApplyError, ConfigError
 from flax_loop.parallel import key_names
 from flax_loop.random import loss_key, step_keys
+from flax_loop.step import optimizer
 from flax_loop.step.carry import CARRY, pmean_floating, split_carry
 from flax_loop.step.core import Context, Fields, Outcome, Step
 from flax_loop.step.model import split_loss
 from flax_loop.step.objective import Objective, Part
+from flax_loop.step.optimizer import PER_DEVICE
 
 
 def gradient_step(
@@ -139,6 +142,20 @@ class _Gradient:
         mutated, carry = jax.tree.map(one, (mutated, carry))
         return losses.mean(), (mutated, jax.tree.map(lambda leaf: leaf.mean(0), metrics), carry)
 
+    def loss_of(
+        self, model_state: Any, batch: Batch, context: Context, carry: Any
+    ) -> Callable[[Any], jax.Array]:
+        r"""The step's loss as a function of the trained parameters (optax's
+        `value_fn`, for a line search). Not in the per-device form: there
+        its gradient would be one device's, and devices whose searches
+        differ would wait for each other's collectives for ever."""
+
+        def value_fn(params: Any) -> jax.Array:
+            inputs = (params, model_state, batch, context, carry)
+            return (self.per_device if self.shards is None else self.over_shards)(*inputs)[0]
+
+        return value_fn
+
     def update(self, fields: Fields, batch: Batch, context: Context) -> tuple[Fields, Outcome]:
         r"""The step: the loss, its gradient, the optimizer's update."""
         axis_name = self.axis_name
@@ -157,8 +174,11 @@ class _Gradient:
         # Materialized, the gradients are computed alike everywhere (measured
         # free: benchmarks/README.md).
         grads = jax.lax.optimization_barrier(grads)
-        updates, optimizer_state = self.part.optimizer.update(
-            grads, fields["optimizer_state"], params
+        extra_args = {"value": loss_value, "grad": grads}
+        if not axis_name or self.shards is not None:
+            extra_args["value_fn"] = self.loss_of(model_state, batch, context, fields.get(CARRY))
+        updates, optimizer_state = optimizer.update(
+            self.part.optimizer, grads, fields["optimizer_state"], params, extra_args, PER_DEVICE
         )
         merged = {**model_state, **mutated}
         new = {

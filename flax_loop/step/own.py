@@ -55,6 +55,8 @@ from flax_loop.step.gradient import refuse_written
 from flax_loop.step.model import split_loss
 from flax_loop.step.modules import BoundNNX
 from flax_loop.step.objective import Objective
+from flax_loop.step.optimizer import PER_DEVICE
+from flax_loop.step.optimizer import update as optimizer_update
 
 UpdateFn = Callable[..., Any]
 r"""`update(state, batch, *, rng, step) -> (state, metrics)`."""
@@ -159,12 +161,19 @@ class StepState:
             )
         return {**self.model_state, **bound.collected()}
 
-    def apply_gradients(self, grads: Any, name: str | None = None) -> StepState:
+    def apply_gradients(self, grads: Any, name: str | None = None, **extra_args: Any) -> StepState:
         r"""The state after one update of optimizer `name` (the task's one
         optimizer when `None`): `grads` (shaped as the parameters; of the
         whole batch, or averaged over the devices in the per-device form)
         applied to the parameters that optimizer trains
         (`TrainTask.trainable`); the others keep their values.
+
+        `extra_args` go to an optimizer that reads more than the gradients,
+        as optax's loops pass them: `value=loss` for
+        `optax.contrib.reduce_on_plateau` or `optax.polyak_sgd`, and
+        `grad=` and `value_fn=` (the loss as a function of the trained
+        parameters) for `optax.lbfgs`. In the per-device form `value` and
+        `grad` are averaged over the devices, as the gradients are.
 
         Raises:
             ConfigError: for a name the task's optimizers do not have.
@@ -181,10 +190,18 @@ class StepState:
         trainable = partition.split(self.params)
         applied = partition.split(grads)
         if env.axis_name is not None:
+            if "value_fn" in extra_args:
+                raise ConfigError(f"state.apply_gradients(value_fn=...): {PER_DEVICE}")
             applied = jax.lax.pmean(applied, env.axis_name)
+            extra_args = {
+                key: value if callable(value) else pmean_floating(value, env.axis_name)
+                for key, value in extra_args.items()
+            }
         # materialized as the built-in step's are: the same bits in every variant
         applied = jax.lax.optimization_barrier(applied)
-        updates, states[index] = optimizer.update(applied, states[index], trainable)
+        updates, states[index] = optimizer_update(
+            optimizer, applied, states[index], trainable, extra_args
+        )
         # recorded in the parameters' dtypes: the state keeps its dtypes in a scan
         all_grads[index] = jax.tree.map(lambda g, p: g.astype(p.dtype), applied, trainable)
         return dataclasses.replace(

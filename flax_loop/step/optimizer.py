@@ -1,0 +1,80 @@
+r"""An optimizer's update with optax's extra arguments, for those that take them.
+
+Some optax optimizers read more than the gradients: `optax.contrib.
+reduce_on_plateau` and `optax.polyak_sgd` the loss (`value`), `optax.lbfgs`
+and the line searches also the gradient (`grad`) and the loss as a function
+of the parameters (`value_fn`). Optax's own training loops pass them as
+keywords to `update`; so does the step: every optimizer that declares extra
+arguments (an `optax.GradientTransformationExtraArgs`, such as any
+`optax.chain`, or an `optax.MultiSteps`) is given them, and ignores those it
+does not read. A plain `GradientTransformation` is called as before, so a
+step of such an optimizer compiles to the same program.
+
+>>> import jax.numpy as jnp, optax
+>>> params, grads = {"w": jnp.ones(2)}, {"w": jnp.full(2, 0.5)}
+>>> optimizer = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1))
+>>> state = optimizer.init(params)
+>>> for loss in [1.0, 2.0]:  # no better the second time: the rate goes down tenfold
+...     updates, state = update(optimizer, grads, state, params, {"value": jnp.float32(loss)})
+...     print(updates["w"].tolist())
+[-0.5, -0.5]
+[-0.05000000074505806, -0.05000000074505806]
+"""
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import optax
+
+from flax_loop.errors import ConfigError
+
+_MISSING = re.compile(r"missing \d+ required keyword-only arguments?: (.+)$")
+
+
+def takes_extra_args(optimizer: Any) -> bool:
+    r"""Whether `optimizer.update` takes optax's extra keyword arguments."""
+    return isinstance(optimizer, (optax.GradientTransformationExtraArgs, optax.MultiSteps))
+
+
+PER_DEVICE = (
+    "A step written per device (its model or loss names the batch axis) gives no "
+    "value_fn: its gradient would be one device's. Leave the axis name out: the step "
+    "is one program over the whole batch, and gives it."
+)
+r"""What `update`'s error adds when a step of the per-device form leaves out `value_fn`."""
+
+
+def update(
+    optimizer: Any,
+    grads: Any,
+    state: Any,
+    params: Any,
+    extra_args: Mapping[str, Any],
+    per_device: str = "",
+) -> tuple[Any, Any]:
+    r"""`optimizer.update(grads, state, params, **extra_args)`, the extra
+    arguments left out for an optimizer that takes none; `per_device` is
+    added to the error for a `value_fn` wanted and not given.
+
+    Raises:
+        ConfigError: if the optimizer wants a keyword argument it was not
+            given (named, with what the step gives).
+    """
+    given = dict(extra_args) if takes_extra_args(optimizer) else {}
+    try:
+        return optimizer.update(grads, state, params, **given)
+    except TypeError as error:
+        missing = _MISSING.search(str(error))
+        wanted = missing.group(1) if missing else ""
+        names = re.findall(r"'(\w+)'", wanted)
+        if not names or set(names) & set(given):
+            raise  # not an argument the step left out
+        raise ConfigError(
+            f"The optimizer's update wants the keyword argument(s) {wanted}, "
+            "which the step does not give (it gives: "
+            f"{', '.join(sorted(given)) or 'none'}). The built-in steps give optax's value "
+            "(the loss), grad and value_fn (the loss as a function of the parameters); in "
+            "your own step pass them: state.apply_gradients(grads, value=loss, ...)."
+            + (f" {per_device}" if per_device and "value_fn" in names else "")
+        ) from error
