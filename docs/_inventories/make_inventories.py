@@ -42,6 +42,9 @@ ENTRIES = {
         ("optax.MultiSteps", "py:class", "api/generated/$.html#$"),
         ("optax.adam", "py:function", "api/generated/$.html#$"),
         ("optax.adamw", "py:function", "api/generated/$.html#$"),
+        ("optax.contrib.reduce_on_plateau", "py:function", "api/generated/$.html#$"),
+        ("optax.lbfgs", "py:function", "api/generated/$.html#$"),
+        ("optax.polyak_sgd", "py:function", "api/generated/$.html#$"),
         ("optax.sgd", "py:function", "api/generated/$.html#$"),
     ],
 }
