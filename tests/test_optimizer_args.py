@@ -37,10 +37,11 @@ def from_key_0(rngs, x, **options):
     return MLP().init(jax.random.key(0), x, **options)
 
 
-def hand_written(optimizer, n_steps=N_STEPS, data=DATA):
+def hand_written(optimizer, n_steps=N_STEPS, data=DATA, extra=True):
     """The parameters and the optimizer state after `n_steps` of a jitted
     step that gives the optimizer the loss, the gradient and the loss as a
-    function of the parameters (optax's documented calls)."""
+    function of the parameters (optax's documented calls; none of them
+    unless `extra`)."""
     model = MLP()
 
     @jax.jit
@@ -49,9 +50,8 @@ def hand_written(optimizer, n_steps=N_STEPS, data=DATA):
             return cross_entropy(model.apply({"params": params}, inputs), labels)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
-        updates, state = optimizer.update(
-            grads, state, params, value=loss, grad=grads, value_fn=loss_of
-        )
+        given = {"value": loss, "grad": grads, "value_fn": loss_of} if extra else {}
+        updates, state = optimizer.update(grads, state, params, **given)
         return optax.apply_updates(params, updates), state
 
     params = model.init(jax.random.key(0), X[:1])["params"]
@@ -198,3 +198,16 @@ def test_the_hyperparameters_of_an_optimizer_that_reads_the_loss_are_found():
     adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
     found = constant_hyperparams(optax.chain(adam, optax.contrib.reduce_on_plateau()))
     assert float(found[0]["learning_rate"]) == np.float32(1e-2)
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["alone", "chained"])
+def test_a_transformation_that_takes_none_of_them_is_called_without_them(chained):
+    # optax.contrib.sam declares extra arguments (GradientTransformationExtraArgs)
+    # but takes only its own grad_fn, and in a chain optax passes it the chain's
+    def sam():
+        sam = optax.contrib.sam(optax.adam(1e-2), optax.sgd(1e-2), sync_period=2)
+        return optax.chain(optax.clip_by_global_norm(1.0), sam) if chained else sam
+
+    expected, _ = hand_written(sam(), extra=False)
+    checkpoint = trained(sam())
+    assert relative_difference(checkpoint.model_params, expected) < 1e-5

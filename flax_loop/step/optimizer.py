@@ -8,7 +8,9 @@ keywords to `update`; so does the step: every optimizer that declares extra
 arguments (an `optax.GradientTransformationExtraArgs`, such as any
 `optax.chain`, or an `optax.MultiSteps`) is given them, and ignores those it
 does not read. A plain `GradientTransformation` is called as before, so a
-step of such an optimizer compiles to the same program.
+step of such an optimizer compiles to the same program; so is one that
+declares extra arguments but takes none of these (`optax.contrib.sam`, whose
+`update` refuses them, alone or in a chain).
 
 >>> import jax.numpy as jnp, optax
 >>> params, grads = {"w": jnp.ones(2)}, {"w": jnp.full(2, 0.5)}
@@ -30,6 +32,7 @@ import optax
 from flax_loop.errors import ConfigError
 
 _MISSING = re.compile(r"missing \d+ required keyword-only arguments?: (.+)$")
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
 def takes_extra_args(optimizer: Any) -> bool:
@@ -65,16 +68,32 @@ def update(
     try:
         return optimizer.update(grads, state, params, **given)
     except TypeError as error:
-        missing = _MISSING.search(str(error))
-        wanted = missing.group(1) if missing else ""
-        names = re.findall(r"'(\w+)'", wanted)
-        if not names or set(names) & set(given):
-            raise  # not an argument the step left out
-        raise ConfigError(
-            f"The optimizer's update wants the keyword argument(s) {wanted}, "
-            "which the step does not give (it gives: "
-            f"{', '.join(sorted(given)) or 'none'}). The built-in steps give optax's value "
-            "(the loss), grad and value_fn (the loss as a function of the parameters); in "
-            "your own step pass them: state.apply_gradients(grads, value=loss, ...)."
-            + (f" {per_device}" if per_device and "value_fn" in names else "")
-        ) from error
+        refused = _UNEXPECTED.search(str(error))
+        if refused is None or refused.group(1) not in given:
+            _raise_if_left_out(error, given, per_device)
+            raise
+    # a transformation that declares extra arguments yet takes none of these
+    # (`optax.contrib.sam`, in a chain or not): called as before them
+    try:
+        return optimizer.update(grads, state, params)
+    except TypeError as error:
+        _raise_if_left_out(error, {}, per_device)
+        raise
+
+
+def _raise_if_left_out(error: TypeError, given: Mapping[str, Any], per_device: str) -> None:
+    r"""A `ConfigError` naming the keyword arguments the optimizer wants if
+    `error` says it was called without them (none that was given)."""
+    missing = _MISSING.search(str(error))
+    wanted = missing.group(1) if missing else ""
+    names = re.findall(r"'(\w+)'", wanted)
+    if not names or set(names) & set(given):
+        return  # not an argument the step left out
+    raise ConfigError(
+        f"The optimizer's update wants the keyword argument(s) {wanted}, "
+        "which the step does not give (it gives: "
+        f"{', '.join(sorted(given)) or 'none'}). The built-in steps give optax's value "
+        "(the loss), grad and value_fn (the loss as a function of the parameters); in "
+        "your own step pass them: state.apply_gradients(grads, value=loss, ...)."
+        + (f" {per_device}" if per_device and "value_fn" in names else "")
+    ) from error
