@@ -61,7 +61,7 @@ def hand_written(optimizer, n_steps=N_STEPS, data=DATA, extra=True):
     return params, state
 
 
-def trained(optimizer, n_devices=1, update=None, n_steps=N_STEPS, data=DATA, model=None):
+def trained(optimizer, n_devices=1, update=None, n_steps=N_STEPS, data=DATA, model=None, **options):
     loop = TrainLoop(
         init=from_key_0 if model is None else model.init,
         task=TrainTask(
@@ -76,6 +76,7 @@ def trained(optimizer, n_devices=1, update=None, n_steps=N_STEPS, data=DATA, mod
         n_steps_per_checkpoint=n_steps // 3,
         devices=jax.devices()[:n_devices],
         stdout=False,
+        **options,
     )
     return list(loop)[-1]
 
@@ -111,6 +112,11 @@ def test_lbfgs_runs_its_line_search_on_the_steps_batch():
     assert relative_difference(checkpoint.model_params, expected) < 1e-4
     first = cross_entropy(MLP().apply(from_key_0(None, X[:1]), X[:256]), Y[:256])
     assert float(checkpoint.loss) < 0.2 * float(first)
+    # the parameters split over four devices: the search is one program's
+    sharded = trained(
+        optax.lbfgs(), n_devices=4, n_steps=15, data=data, sharding="fsdp", fsdp_min_bytes=1024
+    )
+    assert relative_difference(sharded.model_params, expected) < 1e-4
 
 
 def test_polyak_sgd_steps_by_the_loss():
