@@ -217,3 +217,18 @@ def test_a_transformation_that_takes_none_of_them_is_called_without_them(chained
     expected, _ = hand_written(sam(), extra=False)
     checkpoint = trained(sam())
     assert relative_difference(checkpoint.model_params, expected) < 1e-5
+
+
+def test_an_own_step_written_per_device_is_refused_a_line_search():
+    def update(state, batch, *, rng, step):
+        inputs, labels = batch
+
+        def loss_of(params):
+            return cross_entropy(state.model(params)(inputs), labels)
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads, value=loss, grad=grads, value_fn=loss_of)
+
+    model = Normalized(axis_name=DATA_AXIS)
+    with pytest.raises(ConfigError, match=r"value_fn.*written per device.*one device's"):
+        trained(optax.lbfgs(), n_devices=2, model=model, update=update)
