@@ -38,9 +38,15 @@ from flax.errors import ModifyScopeVariableError
 
 from flax_loop import distributed
 from flax_loop.checkpoint import Checkpoint, Summary, expect, summarize
-from flax_loop.data.batch import Batch, leading_size, normalize_batch
+from flax_loop.data.batch import Batch, BatchSpec, leading_size, normalize_batch
 from flax_loop.data.source import DataSource
-from flax_loop.errors import ApplyError, ConfigError, DataExhaustedError, check_count
+from flax_loop.errors import (
+    ApplyError,
+    ConfigError,
+    DataExhaustedError,
+    FlaxLoopError,
+    check_count,
+)
 from flax_loop.parallel import InFlight, Placement, to_host
 from flax_loop.random import as_typed_key, eval_key, into_collection, labels_of
 from flax_loop.step.modules import as_apply
@@ -153,9 +159,25 @@ class EvalLoop:
                 totals = self._placement.replicate(
                     {name: np.zeros((), np.float32) for name in [*self._task.metrics, "__count__"]}
                 )
-            totals = self._evaluate(
-                totals, variables, inputs, targets, mask, self._key, np.int32(step), np.int32(index)
-            )
+            try:
+                totals = self._evaluate(
+                    totals,
+                    variables,
+                    inputs,
+                    targets,
+                    mask,
+                    self._key,
+                    np.int32(step),
+                    np.int32(index),
+                )
+            except FlaxLoopError:
+                raise  # its message is the last word
+            except Exception as error:
+                error.add_note(
+                    "flax_loop: raised while evaluating (the model and the metrics) on eval "
+                    f"batch {index}: {BatchSpec.of(batch).describe()}."
+                )
+                raise
             in_flight.push(totals["__count__"])
         if totals is None:
             raise DataExhaustedError(
@@ -284,7 +306,14 @@ def _per_example(
     batch_size: int,
     name: str,
 ) -> jax.Array:
-    value = jnp.asarray(metric(*outputs, *targets))
+    returned = metric(*outputs, *targets)
+    try:
+        value = jnp.asarray(returned)
+    except TypeError:
+        raise ConfigError(
+            f"metric {name!r} returned {returned!r} ({type(returned).__name__}); return a "
+            "number: one value per example or the batch mean."
+        ) from None
     if value.ndim >= 1 and value.shape[0] == batch_size:
         return value.reshape(batch_size, -1).mean(axis=1).astype(jnp.float32)
     if value.ndim == 0:

@@ -49,6 +49,7 @@ from tests.helpers import (
     cross_entropy,
     digits_split,
     directory_bytes,
+    hand_trained,
 )
 
 X, Y, X_TEST, Y_TEST = digits_split()
@@ -364,6 +365,14 @@ CASES = {
         ApplyError,
         "RNG stream 'dropout'.*collections=\\{'apply': \\['dropout'\\]\\}",
     ),
+    "eval-metric-not-a-number": (
+        lambda d: EvalLoop(
+            EvalTask(MODEL.apply, {"grade": lambda logits, labels: "good"}, [(X_TEST, Y_TEST)]),
+            jax.random.key(0),
+        )(hand_trained(5, 5)[-1]),
+        ConfigError,
+        "metric 'grade' returned 'good' \\(str\\); return a number",
+    ),
     "eval-n-steps-zero": (
         lambda d: EvalLoop(
             EvalTask(MODEL.apply, {"accuracy": accuracy}, []), jax.random.key(0), n_steps=0
@@ -423,6 +432,17 @@ def test_an_error_raised_while_tracing_the_step_names_the_first_batch(tmp_path):
         train(tmp_path, loss=one_hot_loss, init=MODEL.init)
     assert any(
         "tracing the training step" in note and "targets (32,) int32" in note
+        for note in raised.value.__notes__
+    )
+
+
+def test_an_error_raised_while_evaluating_names_the_eval_batch():
+    narrow = (X_TEST[:8, :10], Y_TEST[:8])  # inputs of another width than the model's
+    evaluate = EvalLoop(EvalTask(MODEL.apply, {"accuracy": accuracy}, [narrow]), jax.random.key(0))
+    with pytest.raises(Exception) as raised:
+        evaluate(hand_trained(5, 5)[-1])
+    assert any(
+        "while evaluating" in note and "eval batch 0: inputs (8, 10) float32" in note
         for note in raised.value.__notes__
     )
 
