@@ -37,11 +37,11 @@ def from_key_0(rngs, x, **options):
     return MLP().init(jax.random.key(0), x, **options)
 
 
-def hand_written(optimizer, n_steps=N_STEPS, data=DATA, extra=True):
+def hand_written(optimizer, n_steps=N_STEPS, data=DATA, extra=("value", "grad", "value_fn")):
     """The parameters and the optimizer state after `n_steps` of a jitted
     step that gives the optimizer the loss, the gradient and the loss as a
-    function of the parameters (optax's documented calls; none of them
-    unless `extra`)."""
+    function of the parameters (optax's documented calls; those named in
+    `extra`, where `obj_fn` is the loss function too)."""
     model = MLP()
 
     @jax.jit
@@ -50,7 +50,8 @@ def hand_written(optimizer, n_steps=N_STEPS, data=DATA, extra=True):
             return cross_entropy(model.apply({"params": params}, inputs), labels)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
-        given = {"value": loss, "grad": grads, "value_fn": loss_of} if extra else {}
+        offered = {"value": loss, "grad": grads, "value_fn": loss_of, "obj_fn": loss_of}
+        given = {name: offered[name] for name in extra}
         updates, state = optimizer.update(grads, state, params, **given)
         return optax.apply_updates(params, updates), state
 
@@ -214,7 +215,7 @@ def test_a_transformation_that_takes_none_of_them_is_called_without_them(chained
         sam = optax.contrib.sam(optax.adam(1e-2), optax.sgd(1e-2), sync_period=2)
         return optax.chain(optax.clip_by_global_norm(1.0), sam) if chained else sam
 
-    expected, _ = hand_written(sam(), extra=False)
+    expected, _ = hand_written(sam(), extra=())
     checkpoint = trained(sam())
     assert relative_difference(checkpoint.model_params, expected) < 1e-5
 
@@ -232,3 +233,29 @@ def test_an_own_step_written_per_device_is_refused_a_line_search():
     model = Normalized(axis_name=DATA_AXIS)
     with pytest.raises(ConfigError, match=r"value_fn.*written per device.*one device's"):
         trained(optax.lbfgs(), n_devices=2, model=model, update=update)
+
+
+def sophia():
+    return optax.contrib.sophia(1e-2, update_interval=2)
+
+
+def test_an_optimizer_wanting_an_argument_the_steps_do_not_give_says_to_write_one():
+    # Sophia estimates the Hessian from the loss function, which optax names obj_fn
+    with pytest.raises(ConfigError, match=r"wants .*'obj_fn'.*your own step.*apply_gradients"):
+        trained(sophia())
+
+
+def sophia_update(state, batch, *, rng, step):
+    inputs, labels = batch
+
+    def loss_of(params):
+        return cross_entropy(state.model(params)(inputs), labels)
+
+    loss, grads = jax.value_and_grad(loss_of)(state.params)
+    return state.apply_gradients(grads, obj_fn=loss_of), {"loss": loss}
+
+
+def test_an_own_step_gives_it_what_it_wants():
+    expected, _ = hand_written(sophia(), extra=("obj_fn",))
+    checkpoint = trained(sophia(), update=sophia_update)
+    assert relative_difference(checkpoint.model_params, expected) < 1e-5

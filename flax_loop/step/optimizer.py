@@ -33,6 +33,7 @@ from flax_loop.errors import ConfigError
 
 _MISSING = re.compile(r"missing \d+ required keyword-only arguments?: (.+)$")
 _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+_NOT_PROVIDED = re.compile(r"\b(\w+) must be provided")
 
 
 def takes_extra_args(optimizer: Any) -> bool:
@@ -72,28 +73,36 @@ def update(
         if refused is None or refused.group(1) not in given:
             _raise_if_left_out(error, given, per_device)
             raise
+    except ValueError as error:
+        _raise_if_left_out(error, given, per_device)
+        raise
     # a transformation that declares extra arguments yet takes none of these
     # (`optax.contrib.sam`, in a chain or not): called as before them
     try:
         return optimizer.update(grads, state, params)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         _raise_if_left_out(error, {}, per_device)
         raise
 
 
-def _raise_if_left_out(error: TypeError, given: Mapping[str, Any], per_device: str) -> None:
+def _raise_if_left_out(error: Exception, given: Mapping[str, Any], per_device: str) -> None:
     r"""A `ConfigError` naming the keyword arguments the optimizer wants if
-    `error` says it was called without them (none that was given)."""
+    `error` says it was called without them (none that was given): Python's
+    missing keyword-only arguments, or an optax transformation's "obj_fn
+    must be provided" (`optax.contrib.sophia`; `optax.contrib.sam`'s
+    `grad_fn` in its opaque mode)."""
     missing = _MISSING.search(str(error))
-    wanted = missing.group(1) if missing else ""
-    names = re.findall(r"'(\w+)'", wanted)
+    names = re.findall(r"'(\w+)'", missing.group(1)) if missing else []
+    names += [name for name in _NOT_PROVIDED.findall(str(error)) if name != "params"]
     if not names or set(names) & set(given):
         return  # not an argument the step left out
+    wanted = ", ".join(repr(name) for name in names)
     raise ConfigError(
         f"The optimizer's update wants the keyword argument(s) {wanted}, "
         "which the step does not give (it gives: "
         f"{', '.join(sorted(given)) or 'none'}). The built-in steps give optax's value "
-        "(the loss), grad and value_fn (the loss as a function of the parameters); in "
-        "your own step pass them: state.apply_gradients(grads, value=loss, ...)."
+        "(the loss), grad and value_fn (the loss as a function of the parameters); for "
+        "others write your own step (TrainTask(update=...)) and pass them: "
+        "state.apply_gradients(grads, value=loss, ...)."
         + (f" {per_device}" if per_device and "value_fn" in names else "")
     ) from error
