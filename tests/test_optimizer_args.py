@@ -128,31 +128,35 @@ def test_polyak_sgd_steps_by_the_loss():
     assert relative_difference(checkpoint.model_params, expected) < 1e-5
 
 
-def plateau_update(state, batch, *, rng, step):
-    inputs, labels = batch
+def own_step(*passed):
+    """An own step that passes `state.apply_gradients` the extra arguments
+    named: `value`, `grad`, `value_fn` or `obj_fn` (the loss function)."""
 
-    def loss_of(params):
-        return cross_entropy(state.model(params)(inputs), labels)
+    def update(state, batch, *, rng, step):
+        inputs, labels = batch
 
-    loss, grads = jax.value_and_grad(loss_of)(state.params)
-    return state.apply_gradients(grads, value=loss), {"loss": loss}
+        def loss_of(params):
+            return cross_entropy(state.model(params)(inputs), labels)
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        offered = {"value": loss, "grad": grads, "value_fn": loss_of, "obj_fn": loss_of}
+        return state.apply_gradients(grads, **{name: offered[name] for name in passed}), {
+            "loss": loss
+        }
+
+    return update
 
 
 def test_an_own_step_passes_them_to_apply_gradients():
     expected_params, expected_state = hand_written(plateau())
-    checkpoint = trained(plateau(), update=plateau_update)
+    checkpoint = trained(plateau(), update=own_step("value"))
     assert scale_of(checkpoint.optimizer_state) == scale_of(expected_state)
     assert relative_difference(checkpoint.model_params, expected_params) < 1e-5
 
 
 def test_an_own_step_that_leaves_out_the_loss_is_told_to_pass_it():
-    def update(state, batch, *, rng, step):
-        inputs, labels = batch
-        grads = jax.grad(lambda p: cross_entropy(state.model(p)(inputs), labels))(state.params)
-        return state.apply_gradients(grads)
-
     with pytest.raises(ConfigError, match=r"'value'.*apply_gradients\(grads, value=loss"):
-        trained(plateau(), update=update)
+        trained(plateau(), update=own_step())
 
 
 def test_an_optimizer_that_reads_no_extra_arguments_is_called_as_before():
@@ -221,18 +225,9 @@ def test_a_transformation_that_takes_none_of_them_is_called_without_them(chained
 
 
 def test_an_own_step_written_per_device_is_refused_a_line_search():
-    def update(state, batch, *, rng, step):
-        inputs, labels = batch
-
-        def loss_of(params):
-            return cross_entropy(state.model(params)(inputs), labels)
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads, value=loss, grad=grads, value_fn=loss_of)
-
     model = Normalized(axis_name=DATA_AXIS)
     with pytest.raises(ConfigError, match=r"value_fn.*written per device.*one device's"):
-        trained(optax.lbfgs(), n_devices=2, model=model, update=update)
+        trained(optax.lbfgs(), n_devices=2, model=model, update=own_step("value", "value_fn"))
 
 
 def sophia():
@@ -245,17 +240,7 @@ def test_an_optimizer_wanting_an_argument_the_steps_do_not_give_says_to_write_on
         trained(sophia())
 
 
-def sophia_update(state, batch, *, rng, step):
-    inputs, labels = batch
-
-    def loss_of(params):
-        return cross_entropy(state.model(params)(inputs), labels)
-
-    loss, grads = jax.value_and_grad(loss_of)(state.params)
-    return state.apply_gradients(grads, obj_fn=loss_of), {"loss": loss}
-
-
 def test_an_own_step_gives_it_what_it_wants():
     expected, _ = hand_written(sophia(), extra=("obj_fn",))
-    checkpoint = trained(sophia(), update=sophia_update)
+    checkpoint = trained(sophia(), update=own_step("obj_fn"))
     assert relative_difference(checkpoint.model_params, expected) < 1e-5
