@@ -140,9 +140,8 @@ def own_step(*passed):
 
         loss, grads = jax.value_and_grad(loss_of)(state.params)
         offered = {"value": loss, "grad": grads, "value_fn": loss_of, "obj_fn": loss_of}
-        return state.apply_gradients(grads, **{name: offered[name] for name in passed}), {
-            "loss": loss
-        }
+        extra = {name: offered[name] for name in passed}
+        return state.apply_gradients(grads, **extra), {"loss": loss}
 
     return update
 
