@@ -42,11 +42,13 @@ def takes_extra_args(optimizer: Any) -> bool:
 
 
 PER_DEVICE = (
-    "A step written per device (its model or loss names the batch axis) gives no "
-    "value_fn: its gradient would be one device's. Leave the axis name out: the step "
-    "is one program over the whole batch, and gives it."
+    "A step written per device (its model or loss names the batch axis) gives an "
+    "optimizer no function of the parameters (value_fn, obj_fn): its gradient would be "
+    "one device's. Leave the axis name out: the step is then one program over the "
+    "whole batch."
 )
-r"""What `update`'s error adds when a step of the per-device form leaves out `value_fn`."""
+r"""What `update`'s error adds when a step of the per-device form leaves out a
+function of the parameters."""
 
 
 def update(
@@ -59,7 +61,8 @@ def update(
 ) -> tuple[Any, Any]:
     r"""`optimizer.update(grads, state, params, **extra_args)`, the extra
     arguments left out for an optimizer that takes none; `per_device` is
-    added to the error for a `value_fn` wanted and not given.
+    added to the error for a function of the parameters wanted and not
+    given.
 
     Raises:
         ConfigError: if the optimizer wants a keyword argument it was not
@@ -104,5 +107,5 @@ def _raise_if_left_out(error: Exception, given: Mapping[str, Any], per_device: s
         "(the loss), grad and value_fn (the loss as a function of the parameters); for "
         "others write your own step (TrainTask(update=...)) and pass them: "
         "state.apply_gradients(grads, value=loss, ...)."
-        + (f" {per_device}" if per_device and "value_fn" in names else "")
+        + (f" {per_device}" if per_device and any(n.endswith("_fn") for n in names) else "")
     ) from error

@@ -172,8 +172,10 @@ class StepState:
         as optax's loops pass them: `value=loss` for
         `optax.contrib.reduce_on_plateau` or `optax.polyak_sgd`, and
         `grad=` and `value_fn=` (the loss as a function of the trained
-        parameters) for `optax.lbfgs`. In the per-device form `value` and
-        `grad` are averaged over the devices, as the gradients are.
+        parameters) for `optax.lbfgs`, `obj_fn=` (the same function) for
+        `optax.contrib.sophia`. In the per-device form `value` and `grad`
+        are averaged over the devices, as the gradients are, and a function
+        is refused (its gradient would be one device's).
 
         Raises:
             ConfigError: for a name the task's optimizers do not have.
@@ -190,13 +192,11 @@ class StepState:
         trainable = partition.split(self.params)
         applied = partition.split(grads)
         if env.axis_name is not None:
-            if "value_fn" in extra_args:
-                raise ConfigError(f"state.apply_gradients(value_fn=...): {PER_DEVICE}")
+            functions = [key for key, value in extra_args.items() if callable(value)]
+            if functions:
+                raise ConfigError(f"state.apply_gradients({functions[0]}=...): {PER_DEVICE}")
             applied = jax.lax.pmean(applied, env.axis_name)
-            extra_args = {
-                key: value if callable(value) else pmean_floating(value, env.axis_name)
-                for key, value in extra_args.items()
-            }
+            extra_args = pmean_floating(extra_args, env.axis_name)
         # materialized as the built-in step's are: the same bits in every variant
         applied = jax.lax.optimization_barrier(applied)
         updates, states[index] = optimizer_update(
