@@ -16,7 +16,13 @@ import numpy as np
 import optax
 import pytest
 
-from flax_loop import DATA_AXIS, TrainLoop, TrainTask
+from flax_loop import (
+    DATA_AXIS,
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    TrainLoop,
+    TrainTask,
+)
 from flax_loop.errors import ConfigError
 from tests.helpers import (
     MLP,
@@ -63,8 +69,8 @@ def hand_written(optimizer, n_steps=N_STEPS, data=DATA, extra=("value", "grad", 
 
 
 def trained(optimizer, n_devices=1, update=None, n_steps=N_STEPS, data=DATA, model=None, **options):
+    options.setdefault("init", from_key_0 if model is None else model.init)
     loop = TrainLoop(
-        init=from_key_0 if model is None else model.init,
         task=TrainTask(
             (model or MLP()).apply,
             optimizer,
@@ -104,6 +110,18 @@ def test_reduce_on_plateau_is_given_the_steps_loss():
     on_four = trained(plateau(), n_devices=4)
     assert scale_of(on_four.optimizer_state) == scale_of(expected_state)
     assert relative_difference(on_four.model_params, expected_params) < 1e-5
+
+
+def test_reduce_on_plateau_resumes_bit_for_bit(tmp_path):
+    # its state (the best loss, the losses accumulated, the scale) is in the file
+    straight = trained(plateau(), n_devices=2)
+    with CheckpointFileWriter(output_dir=str(tmp_path)) as write:
+        write(trained(plateau(), n_devices=2, n_steps=N_STEPS // 2))
+    reader = CheckpointFileReader(dir=str(tmp_path), target=from_key_0)
+    resumed = trained(plateau(), n_devices=2, init=reader)
+    assert resumed.step == N_STEPS
+    assert scale_of(resumed.optimizer_state) == scale_of(straight.optimizer_state) < 1.0
+    jax.tree.map(np.testing.assert_array_equal, resumed.model_params, straight.model_params)
 
 
 def test_lbfgs_runs_its_line_search_on_the_steps_batch():
