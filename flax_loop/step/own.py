@@ -169,13 +169,9 @@ class StepState:
         (`TrainTask.trainable`); the others keep their values.
 
         `extra_args` go to an optimizer that reads more than the gradients,
-        as optax's loops pass them: `value=loss` for
-        `optax.contrib.reduce_on_plateau` or `optax.polyak_sgd`, and
-        `grad=` and `value_fn=` (the loss as a function of the trained
-        parameters) for `optax.lbfgs`, `obj_fn=` (the same function) for
-        `optax.contrib.sophia`. In the per-device form `value` and `grad`
-        are averaged over the devices, as the gradients are, and a function
-        is refused (its gradient would be one device's).
+        as optax's loops pass them (`value=loss` for reduce-on-plateau,
+        `value_fn=` for L-BFGS, `obj_fn=` for Sophia); in the per-device
+        form, numbers are averaged over the devices and functions refused.
 
         Raises:
             ConfigError: for a name the task's optimizers do not have.
