@@ -3,8 +3,9 @@
 `optax.contrib.reduce_on_plateau` and `optax.polyak_sgd` read the loss
 (`value=`), `optax.lbfgs` also the gradient and the loss as a function of
 the parameters (`grad=`, `value_fn=`). The built-in steps give them; an own
-step passes them to `state.apply_gradients`. Each run is compared with a
-hand-written `jax.jit` loop that calls the optimizer as optax documents it.
+step passes them, and any other (Sophia's `obj_fn=`), to
+`state.apply_gradients`. Each run is compared with a hand-written `jax.jit`
+loop that calls the optimizer as optax documents it.
 """
 
 import itertools
