@@ -12,7 +12,6 @@ import itertools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -186,7 +185,6 @@ def test_an_optimizer_that_reads_no_extra_arguments_is_called_as_before():
     checkpoint = trained(plain)
     jax.tree.map(np.testing.assert_array_equal, checkpoint.model_params, trained(sgd).model_params)
     assert relative_difference(checkpoint.model_params, expected) < 1e-5
-    assert jnp.isfinite(checkpoint.loss)
 
 
 class Normalized(nn.Module):

@@ -44,6 +44,7 @@ from flax_loop.checkpoint import CheckpointFile, SavedState
 from flax_loop.errors import ConfigError
 from flax_loop.log import log
 from flax_loop.parallel import key_names
+from flax_loop.step.optimizer import step_arguments
 from flax_loop.step.optimizer import update as optimizer_update
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -174,7 +175,7 @@ def constant_hyperparams(optimizer: Any) -> list[dict[str, Any]]:
             is_leaf=is_injected,
         )
         # optax's extra arguments for an optimizer that reads them (the loss)
-        extra = {"value": np.float32(0.0), "grad": {}, "value_fn": lambda params: 0.0}
+        extra = step_arguments(np.float32(0.0), {}, lambda params: 0.0)
         _, updated = optimizer_update(optimizer, {}, probe, {}, extra)
     except Exception:  # an optimizer that cannot be probed on no parameters
         return []

@@ -174,11 +174,17 @@ class _Gradient:
         # Materialized, the gradients are computed alike everywhere (measured
         # free: benchmarks/README.md).
         grads = jax.lax.optimization_barrier(grads)
-        extra_args = {"value": loss_value, "grad": grads}
-        if not axis_name or self.shards is not None:
-            extra_args["value_fn"] = self.loss_of(model_state, batch, context, fields.get(CARRY))
+        per_device = axis_name is not None and self.shards is None
+        value_fn = (
+            None if per_device else self.loss_of(model_state, batch, context, fields.get(CARRY))
+        )
         updates, optimizer_state = optimizer.update(
-            self.part.optimizer, grads, fields["optimizer_state"], params, extra_args, PER_DEVICE
+            self.part.optimizer,
+            grads,
+            fields["optimizer_state"],
+            params,
+            optimizer.step_arguments(loss_value, grads, value_fn),
+            PER_DEVICE,
         )
         merged = {**model_state, **mutated}
         new = {

@@ -41,6 +41,14 @@ def takes_extra_args(optimizer: Any) -> bool:
     return isinstance(optimizer, (optax.GradientTransformationExtraArgs, optax.MultiSteps))
 
 
+def step_arguments(value: Any, grad: Any, value_fn: Any = None) -> dict[str, Any]:
+    r"""The extra arguments a built-in step gives: the loss (`value`), its
+    gradient (`grad`) and, unless `None`, the loss as a function of the
+    trained parameters (`value_fn`)."""
+    given = {"value": value, "grad": grad}
+    return given if value_fn is None else {**given, "value_fn": value_fn}
+
+
 PER_DEVICE = (
     "A step written per device (its model or loss names the batch axis) gives an "
     "optimizer no function of the parameters (value_fn, obj_fn): its gradient would be "
